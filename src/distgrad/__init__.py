@@ -1,0 +1,38 @@
+"""distgrad: differentiable torch.distributed collectives with exact, checked gradients.
+
+The objective every gradient refers to is the sum over ranks of what each rank back-propagates
+(see docs/semantics.md); ``objective="replicated"`` selects the other contract where it applies.
+"""
+
+from __future__ import annotations
+
+from distgrad import errors, testing
+from distgrad._meta import set_debug
+from distgrad.collectives import (
+    all_gather,
+    all_reduce,
+    all_to_all,
+    broadcast,
+    gather,
+    permute,
+    reduce,
+    reduce_scatter,
+    scatter,
+)
+
+__all__ = [
+    "all_gather",
+    "all_reduce",
+    "all_to_all",
+    "broadcast",
+    "errors",
+    "gather",
+    "permute",
+    "reduce",
+    "reduce_scatter",
+    "scatter",
+    "set_debug",
+    "testing",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,194 @@
+"""Raw communication: out of place, not differentiable, and the only home of backend quirks.
+
+Every function here works along dim 0 of a tensor, returns a new tensor and never writes to
+its input. The differentiable ops in ``distgrad.collectives`` call these in both their forward
+and backward passes, so no backward ever branches on the backend, and the CPU tests exercise
+exactly the code that runs on GPUs.
+
+Backend gaps handled here, once:
+
+* gloo's ``reduce_scatter_tensor`` is an all_reduce followed by a slice, which moves twice the
+  bytes a reduce-scatter needs. ``reduce_scatter`` instead runs one ``all_to_all`` (each rank
+  sends every other rank that rank's slice, (N-1)/N of the tensor) and sums the N slices it
+  receives locally. NCCL's native reduce-scatter is used where it applies (equal sizes).
+* gloo's ``all_gather``/``gather``/``scatter`` reject unequal sizes; unequal sizes are padded to
+  the largest and trimmed after.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from distgrad._group import Group
+
+__all__ = [
+    "all_gather",
+    "all_reduce",
+    "all_to_all",
+    "broadcast",
+    "gather",
+    "metadata_device",
+    "permute",
+    "reduce",
+    "reduce_scatter",
+    "scatter",
+]
+
+_TORCH_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "prod": dist.ReduceOp.PRODUCT,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+}
+
+
+def metadata_device(group: Group) -> torch.device:
+    """Where small bookkeeping tensors must live for this group's backend."""
+    if "nccl" in group.backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _is_nccl(group: Group) -> bool:
+    return "nccl" in group.backend
+
+
+def _pad_rows(x: Tensor, rows: int) -> Tensor:
+    if x.shape[0] == rows:
+        return x.contiguous()
+    out = x.new_zeros((rows, *x.shape[1:]))
+    out[: x.shape[0]] = x
+    return out
+
+
+def _trim_cat(padded: Tensor, sizes: Sequence[int]) -> Tensor:
+    """[N * max, ...] padded blocks -> the concatenation of the first sizes[i] rows of block i."""
+    width = max(sizes)
+    if all(s == width for s in sizes):
+        return padded
+    blocks = padded.view(len(sizes), width, *padded.shape[1:])
+    return torch.cat([blocks[i, :s] for i, s in enumerate(sizes)])
+
+
+def all_gather(x: Tensor, sizes: Sequence[int], group: Group) -> Tensor:
+    """Concatenate every rank's ``x`` along dim 0; ``sizes[i]`` is rank i's row count."""
+    if group.pg is None:
+        return x.clone()
+    width = max(sizes)
+    send = _pad_rows(x, width)
+    out = send.new_empty((width * group.size, *x.shape[1:]))
+    dist.all_gather_into_tensor(out, send, group=group.pg)
+    return _trim_cat(out, sizes)
+
+
+def reduce_scatter(x: Tensor, sizes: Sequence[int], group: Group) -> Tensor:
+    """Sum ``x`` over ranks and return this rank's slice (``sizes[rank]`` rows) of the sum."""
+    if group.pg is None:
+        return x.clone()
+    mine = sizes[group.rank]
+    if _is_nccl(group) and all(s == mine for s in sizes):
+        out = x.new_empty((mine, *x.shape[1:]))
+        dist.reduce_scatter_tensor(out, x.contiguous(), group=group.pg)
+        return out
+    slices = all_to_all(x, sizes, [mine] * group.size, group)
+    # Sum in rank order, the same order on every backend and run: results are reproducible.
+    return slices.view(group.size, mine, *x.shape[1:]).sum(0)
+
+
+def all_to_all(
+    x: Tensor, input_sizes: Sequence[int], output_sizes: Sequence[int], group: Group
+) -> Tensor:
+    """Send rows ``input_sizes[i]`` of ``x`` to rank i; receive ``output_sizes[i]`` from rank i."""
+    if group.pg is None:
+        return x.clone()
+    out = x.new_empty((sum(output_sizes), *x.shape[1:]))
+    dist.all_to_all_single(
+        out, x.contiguous(), list(output_sizes), list(input_sizes), group=group.pg
+    )
+    return out
+
+
+def all_reduce(x: Tensor, op: str, group: Group) -> Tensor:
+    """Reduce ``x`` over ranks with ``op`` in sum, prod, max, min; every rank gets the result."""
+    out = x.clone(memory_format=torch.contiguous_format)
+    if group.pg is not None:
+        dist.all_reduce(out, op=_TORCH_OPS[op], group=group.pg)
+    return out
+
+
+def broadcast(x: Tensor, src: int, group: Group) -> Tensor:
+    """Every rank gets group rank ``src``'s ``x`` (other ranks' values are not read)."""
+    if group.pg is None:
+        return x.clone()
+    out = x.clone(memory_format=torch.contiguous_format) if group.rank == src else torch.empty_like(
+        x, memory_format=torch.contiguous_format
+    )
+    dist.broadcast(out, src=group.global_rank(src), group=group.pg)
+    return out
+
+
+def reduce(x: Tensor, dst: int, group: Group) -> Tensor | None:
+    """The sum of ``x`` over ranks on group rank ``dst``; None on the other ranks."""
+    out = x.clone(memory_format=torch.contiguous_format)
+    if group.pg is None:
+        return out
+    dist.reduce(out, dst=group.global_rank(dst), op=dist.ReduceOp.SUM, group=group.pg)
+    return out if group.rank == dst else None
+
+
+def gather(x: Tensor, sizes: Sequence[int], dst: int, group: Group) -> Tensor | None:
+    """Rank ``dst`` gets every rank's ``x`` concatenated along dim 0; None elsewhere."""
+    if group.pg is None:
+        return x.clone()
+    width = max(sizes)
+    send = _pad_rows(x, width)
+    if group.rank == dst:
+        out = send.new_empty((group.size * width, *x.shape[1:]))
+        dist.gather(send, list(out.chunk(group.size)), dst=group.global_rank(dst), group=group.pg)
+        return _trim_cat(out, sizes)
+    dist.gather(send, None, dst=group.global_rank(dst), group=group.pg)
+    return None
+
+
+def scatter(
+    x: Tensor | None,
+    sizes: Sequence[int],
+    src: int,
+    trailing: Sequence[int],
+    dtype: torch.dtype,
+    device: torch.device,
+    group: Group,
+) -> Tensor:
+    """Rank i gets ``sizes[i]`` rows of group rank ``src``'s ``x``, split in rank order."""
+    if group.pg is None:
+        assert x is not None
+        return x.clone()
+    width = max(sizes)
+    out = torch.empty((width, *trailing), dtype=dtype, device=device)
+    chunks = None
+    if group.rank == src:
+        assert x is not None
+        chunks = [_pad_rows(part, width) for part in x.split(list(sizes))]
+    dist.scatter(out, chunks, src=group.global_rank(src), group=group.pg)
+    return out[: sizes[group.rank]]
+
+
+def permute(
+    x: Tensor, perm: Sequence[int], recv_shape: Sequence[int], group: Group
+) -> Tensor:
+    """Send ``x`` to group rank ``perm[rank]``; return what the rank that maps here sent."""
+    if group.pg is None or perm[group.rank] == group.rank:
+        return x.clone()
+    source = list(perm).index(group.rank)
+    out = x.new_empty(tuple(recv_shape))
+    ops = [
+        dist.P2POp(dist.isend, x.contiguous(), group.global_rank(perm[group.rank]), group.pg),
+        dist.P2POp(dist.irecv, out, group.global_rank(source), group.pg),
+    ]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return out

@@ -1,0 +1,232 @@
+"""The metadata handshake that runs before every collective's data moves.
+
+Each rank describes its call in one small int64 vector (which op, how many distgrad calls it has
+made on this group, dtype, device type, requires_grad, shape, the op's integer arguments, and
+whether its own arguments are invalid); one ``all_gather`` of these vectors lets every rank check
+every other rank's call. Bad input then becomes the same Python error on every rank instead of
+a hang, a process abort inside gloo, or a silently wrong result, and the ops learn the per-rank
+sizes they need (uneven all_gather, gather, all_to_all) from the same exchange.
+
+Cost: one all_gather of ``_WIDTH`` int64 per rank, per forward call (tens of microseconds on
+loopback gloo; see ``docs/semantics.md`` for the measurement). Debug mode
+(:func:`distgrad.set_debug`) adds a second handshake in every backward that checks all ranks run
+their backward collectives in the same order.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from distgrad import _comm
+from distgrad._group import Group
+from distgrad.errors import CollectiveArgumentError, CollectiveMismatchError
+
+__all__ = ["RankCall", "debug_enabled", "exchange", "require_same", "set_debug"]
+
+_MAGIC = 0x6469737467726164 & 0x7FFFFFFFFFFFFFFF  # "distgrad"
+_MAX_DIMS = 12
+_MAX_ARGS = 10
+_HEADER = 8  # magic, op, seq, problem, has_tensor, dtype, device, requires_grad
+_WIDTH = _HEADER + 1 + _MAX_DIMS + 1 + _MAX_ARGS
+
+_OPS = (
+    "all_gather",
+    "reduce_scatter",
+    "all_reduce",
+    "all_to_all",
+    "broadcast",
+    "reduce",
+    "gather",
+    "scatter",
+    "permute",
+    "backward",
+)
+_DTYPES = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.complex64,
+    torch.complex128,
+    torch.int8,
+    torch.uint8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+)
+_DEVICES = ("cpu", "cuda", "xpu", "mps", "meta")
+
+_calls_made: dict[Any, int] = {}
+_debug = os.environ.get("DISTGRAD_DEBUG", "") not in ("", "0")
+
+
+def set_debug(enabled: bool) -> None:
+    """Turn debug checks on or off for this process (the default comes from ``DISTGRAD_DEBUG``).
+
+    Debug mode adds, on top of the checks that always run, a handshake in every backward
+    collective that verifies all ranks run their backward collectives in the same order (a rank
+    whose loss uses the outputs in a different order can otherwise pair the wrong collectives),
+    and, for ``objective="replicated"``, that every rank's incoming gradient is the same.
+    Each costs one extra collective per backward call. Every rank must use the same setting.
+    """
+    global _debug
+    _debug = bool(enabled)
+
+
+def debug_enabled() -> bool:
+    return _debug
+
+
+@dataclass(frozen=True)
+class RankCall:
+    """What one rank passed to a collective."""
+
+    rank: int
+    op: str
+    seq: int
+    has_tensor: bool
+    dtype: torch.dtype | None
+    device_type: str
+    requires_grad: bool
+    shape: tuple[int, ...]
+    args: tuple[int, ...]
+
+
+def _encode(op: str, seq: int, x: Tensor | None, args: Sequence[int], problem: bool) -> list[int]:
+    has = x is not None
+    dtype = _DTYPES.index(x.dtype) if x is not None and x.dtype in _DTYPES else -1
+    device = _DEVICES.index(x.device.type) if x is not None and x.device.type in _DEVICES else -1
+    shape = list(x.shape) if x is not None else []
+    vec = [_MAGIC, _OPS.index(op), seq, int(problem), int(has), dtype, device]
+    vec.append(int(x is not None and x.requires_grad))
+    vec += [len(shape), *shape, *[0] * (_MAX_DIMS - len(shape))]
+    vec += [len(args), *args, *[0] * (_MAX_ARGS - len(args))]
+    assert len(vec) == _WIDTH
+    return vec
+
+
+def _decode(rank: int, vec: list[int]) -> RankCall:
+    ndim = vec[_HEADER]
+    shape = tuple(vec[_HEADER + 1 : _HEADER + 1 + ndim])
+    nargs = vec[_HEADER + 1 + _MAX_DIMS]
+    args_at = _HEADER + 2 + _MAX_DIMS
+    return RankCall(
+        rank=rank,
+        op=_OPS[vec[1]] if 0 <= vec[1] < len(_OPS) else f"<unknown op {vec[1]}>",
+        seq=vec[2],
+        has_tensor=bool(vec[4]),
+        dtype=_DTYPES[vec[5]] if vec[5] >= 0 else None,
+        device_type=_DEVICES[vec[6]] if vec[6] >= 0 else "other",
+        requires_grad=bool(vec[7]),
+        shape=shape,
+        args=tuple(vec[args_at : args_at + nargs]),
+    )
+
+
+def exchange(
+    op: str,
+    desc: str,
+    group: Group,
+    x: Tensor | None,
+    args: Sequence[int] = (),
+    problem: str | None = None,
+) -> list[RankCall]:
+    """Share this rank's call with the group and return every rank's, indexed by group rank.
+
+    ``problem`` is this rank's own complaint about its arguments, found before the handshake;
+    it is raised, with every other rank's complaint, on every rank. ``desc`` names the call in
+    messages, e.g. ``"all_gather(dim=0)"``.
+    """
+    if problem is None and x is not None and x.dim() > _MAX_DIMS:
+        problem = f"tensors of at most {_MAX_DIMS} dims are supported, got {x.dim()}"
+    if problem is None and len(args) > _MAX_ARGS:
+        raise AssertionError(f"{op}: too many handshake arguments")
+    if group.pg is None or group.size == 1:
+        if problem is not None:
+            raise CollectiveArgumentError(f"{desc} on rank {group.rank}: {problem}")
+        return [_decode(group.rank, _encode(op, 0, x, args, False))]
+    seq = _calls_made.get(group.pg, 0)
+    _calls_made[group.pg] = seq + 1
+    mine = torch.tensor(
+        _encode(op, seq, None if problem else x, args if not problem else (), problem is not None),
+        dtype=torch.int64,
+        device=_comm.metadata_device(group),
+    )
+    every = torch.empty(group.size * _WIDTH, dtype=torch.int64, device=mine.device)
+    dist.all_gather_into_tensor(every, mine, group=group.pg)
+    rows = every.view(group.size, _WIDTH).tolist()
+    calls = [_decode(rank, row) for rank, row in enumerate(rows)]
+    _check_same_call(desc, group, calls, rows)
+    if any(row[3] for row in rows):
+        _raise_problems(desc, group, problem)
+    return calls
+
+
+def _check_same_call(desc: str, group: Group, calls: list[RankCall], rows: list[list[int]]) -> None:
+    if any(row[0] != _MAGIC for row in rows):
+        raise CollectiveMismatchError(
+            f"{desc} on rank {group.rank}: some ranks are not inside a distgrad collective at "
+            "this point (they called a raw torch.distributed collective or another library); "
+            "every rank must make the same sequence of calls"
+        )
+    require_same(
+        desc, group, calls, "which collective they called", lambda c: c.op,
+        "every rank must call the same collectives in the same order",
+    )
+    require_same(
+        desc, group, calls, "how many distgrad collectives they made on this group before",
+        lambda c: c.seq, "a rank skipped or added a collective call",
+    )
+
+
+def _raise_problems(desc: str, group: Group, problem: str | None) -> None:
+    problems: list[Any] = [None] * group.size
+    dist.all_gather_object(problems, problem, group=group.pg)
+    lines = [f"rank {rank}: {text}" for rank, text in enumerate(problems) if text is not None]
+    raise CollectiveArgumentError(
+        f"{desc} on rank {group.rank}: invalid arguments; " + "; ".join(lines)
+    )
+
+
+def describe_ranks(calls: Sequence[RankCall], key: Callable[[RankCall], object]) -> str:
+    """'rank 0: a; ranks 1, 2: b' - each distinct value once, with the ranks that passed it."""
+    groups: dict[str, list[int]] = {}
+    for call in calls:
+        groups.setdefault(_show(key(call)), []).append(call.rank)
+    parts = []
+    for value, ranks in groups.items():
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+        parts.append(f"{who}: {value}")
+    return "; ".join(parts)
+
+
+def _show(value: object) -> str:
+    if isinstance(value, tuple):
+        return "(" + ", ".join(map(str, value)) + ("," if len(value) == 1 else "") + ")"
+    return str(value)
+
+
+def require_same(
+    desc: str,
+    group: Group,
+    calls: Sequence[RankCall],
+    what: str,
+    key: Callable[[RankCall], object],
+    rule: str,
+) -> None:
+    """Raise on every rank unless ``key`` gives the same value for every rank's call."""
+    first = key(calls[0])
+    if all(key(call) == first for call in calls[1:]):
+        return
+    raise CollectiveMismatchError(
+        f"{desc} on rank {group.rank}: ranks disagree on {what} ({describe_ranks(calls, key)}); "
+        f"{rule}"
+    )

@@ -1,0 +1,46 @@
+"""Checks that only run in debug mode (:func:`distgrad.set_debug`), each costing a collective."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from distgrad import _comm
+from distgrad._group import Group
+from distgrad._meta import debug_enabled, exchange, require_same
+from distgrad.errors import CollectiveMismatchError
+
+__all__ = ["check_backward_order", "check_replicated"]
+
+
+def check_backward_order(op: str, group: Group, grad: Tensor | None = None) -> None:
+    """Every rank must be in the backward of the same op, with the same gradient shape.
+
+    Autograd orders backward nodes by the local graph, so ranks whose losses use the outputs of
+    several collectives differently can reach them in different orders and pair the wrong ones.
+    """
+    if not debug_enabled() or group.size == 1:
+        return
+    desc = f"backward of {op}"
+    calls = exchange("backward", desc, group, grad, [hash(op)])
+    require_same(desc, group, calls, "which collective's backward they run", lambda c: c.args,
+                 "ranks reached their backward collectives in different orders; make every "
+                 "rank's loss use the collective outputs in the same way")
+    require_same(desc, group, calls, "the gradient's shape", lambda c: c.shape,
+                 "ranks reached their backward collectives in different orders")
+
+
+def check_replicated(op: str, group: Group, grad: Tensor) -> None:
+    """With objective="replicated" every rank must back-propagate the same gradient."""
+    if not debug_enabled() or group.size == 1:
+        return
+    reference = _comm.broadcast(grad, 0, group)
+    differs = torch.tensor([float(not torch.equal(grad, reference))], device=grad.device)
+    count = int(_comm.all_reduce(differs, "sum", group).item())
+    if count:
+        raise CollectiveMismatchError(
+            f"backward of {op}(objective='replicated') on rank {group.rank}: {count} of "
+            f"{group.size} ranks back-propagate a gradient that differs from rank 0's; "
+            "'replicated' requires every rank to compute the same loss from the same output. "
+            "Use objective='sum' when each rank's loss differs"
+        )

@@ -1,0 +1,163 @@
+"""broadcast and reduce: under the sum objective, each one's backward is the other.
+
+``src`` and ``dst`` are group ranks (0 to size-1 within ``group``), not global ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.autograd.function import FunctionCtx
+
+from distgrad import _comm
+from distgrad._group import Group, ProcessGroup, resolve
+from distgrad.collectives import _common as c
+from distgrad.collectives._debug import check_backward_order, check_replicated
+from distgrad.collectives.all_gather import apply_reduce_scatter
+from distgrad.collectives.gather import apply_gather
+
+__all__ = ["broadcast", "reduce"]
+
+
+@dataclass(frozen=True)
+class _Plan:
+    group: Group
+    root: int
+    objective: c.Objective = "sum"
+
+
+class _Broadcast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: FunctionCtx, x: Tensor, plan: _Plan, anchor: Tensor | None) -> Tensor:
+        ctx.plan = plan  # type: ignore[attr-defined]
+        return _comm.broadcast(x, plan.root, plan.group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None]:
+        plan: _Plan = ctx.plan
+        check_backward_order("broadcast", plan.group, grad)
+        if plan.objective == "replicated":
+            # One shared loss: the source's input gets the incoming gradient, nobody sums.
+            check_replicated("broadcast", plan.group, grad)
+            back = grad if plan.group.rank == plan.root else None
+        else:
+            summed = _ReduceSum.apply(grad, _Plan(plan.group, plan.root), None)
+            back = summed if plan.group.rank == plan.root else None
+        return (back if ctx.needs_input_grad[0] else None), None, None
+
+
+class _ReduceSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: FunctionCtx, x: Tensor, plan: _Plan, anchor: Tensor | None) -> Tensor:
+        ctx.plan = plan  # type: ignore[attr-defined]
+        out = _comm.reduce(x, plan.root, plan.group)
+        # Other ranks get a constant zero tensor: its gradient is zero and is never read.
+        return out if out is not None else torch.zeros_like(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None]:
+        plan: _Plan = ctx.plan
+        check_backward_order("reduce", plan.group, grad)
+        back = _Broadcast.apply(grad, plan, None)
+        return (back if ctx.needs_input_grad[0] else None), None, None
+
+
+def broadcast(
+    x: Tensor,
+    src: int,
+    group: ProcessGroup | None = None,
+    *,
+    objective: c.Objective = "sum",
+) -> Tensor:
+    """Every rank gets a copy of group rank ``src``'s ``x``.
+
+    Every rank passes a tensor of the same shape, dtype and device type; only ``src``'s values
+    are read. ``src`` is a rank within ``group``. ``x`` is not modified.
+
+    Gradient with ``objective="sum"`` (the objective is the sum over ranks of each rank's loss):
+    ``reduce(grad, dst=src, op="sum")``: the source's ``x`` gets the sum of every rank's incoming
+    gradient; the other ranks' ``x`` get none (their values are not used). With
+    ``objective="replicated"`` (every rank computes the same loss, counted once) the source keeps
+    its own incoming gradient, with no communication.
+
+    Communication: forward 1 broadcast of x after a small metadata handshake; backward 1 reduce
+    (none when replicated).
+    """
+    g = resolve(group)
+    desc = f"broadcast(src={src})"
+    problem = c.rank_problem("src", src, g.size) or c.objective_problem(objective)
+    obj_code = c.OBJECTIVES.index(objective) if objective in c.OBJECTIVES else 0
+    calls = c.handshake(
+        "broadcast", desc, g, x,
+        [c.Arg("src", src if problem is None else -1),
+         c.Arg("objective", obj_code, lambda i: c.OBJECTIVES[i])],
+        problem,
+    )
+    c.check_shapes_equal(desc, g, calls)
+    if g.size == 1:
+        return x.clone()
+    plan = _Plan(g, src, objective)
+    out: Tensor = _Broadcast.apply(x, plan, c.anchor(x, c.needs_grad(calls)))
+    return out
+
+
+def reduce(
+    x: Tensor,
+    dst: int,
+    op: c.ReduceOp = "sum",
+    group: ProcessGroup | None = None,
+) -> Tensor:
+    """Reduce ``x`` elementwise over the ranks of ``group`` with ``op``; group rank ``dst`` gets it.
+
+    Returns the result on ``dst`` and, on every other rank, a tensor of zeros of the same shape
+    (a constant: nothing flows back through it). ``op`` is one of "sum", "avg", "prod", "max",
+    "min". Every rank passes a tensor of the same shape, dtype and device type. ``x`` is not
+    modified. Every rank must still back-propagate through its result (the zeros included), since
+    the backward is a collective.
+
+    Gradient (the objective is the sum over ranks of each rank's loss): sum:
+    ``broadcast(grad, src=dst)``, so every rank's ``x`` gets ``dst``'s incoming gradient; avg: the
+    same divided by the group size; prod, max, min: as in :func:`all_reduce` with ``dst``'s
+    incoming gradient (the product of the other ranks' entries; the extreme value's holders,
+    split evenly among ties).
+
+    Communication: forward 1 reduce (sum, avg) or 1 all_to_all plus 1 gather (prod, max, min),
+    after a small metadata handshake; backward 1 broadcast (sum, avg) or 1 scatter plus 1
+    all_to_all (prod, max, min).
+    """
+    g = resolve(group)
+    desc = f"reduce(dst={dst}, op={op!r})"
+    problem = c.rank_problem("dst", dst, g.size) or c.op_problem(op)
+    op_code = c.REDUCE_OPS.index(op) if op in c.REDUCE_OPS else 0
+    calls = c.handshake(
+        "reduce", desc, g, x,
+        [c.Arg("dst", dst if problem is None else -1),
+         c.Arg("op", op_code, lambda i: c.REDUCE_OPS[i])],
+        problem,
+    )
+    c.check_shapes_equal(desc, g, calls)
+    required = c.needs_grad(calls)
+    c.check_grad_dtype(desc, op, x.dtype, required)
+    if g.size == 1:
+        return x.clone()
+    return _apply_reduce(x, g, dst, op, required)
+
+
+def _apply_reduce(x: Tensor, group: Group, dst: int, op: str, required: bool) -> Tensor:
+    if op == "avg":
+        return _apply_reduce(x, group, dst, "sum", required) / group.size
+    if op == "sum":
+        out: Tensor = _ReduceSum.apply(x, _Plan(group, dst), c.anchor(x, required))
+        return out
+    flat = x.reshape(-1)
+    sizes = tuple(c.near_even(flat.numel(), group.size))
+    part = apply_reduce_scatter(flat, group, sizes, 0, op, required)
+    gathered = apply_gather(part, group, sizes, 0, dst, required)
+    if group.rank == dst:
+        return gathered.view(x.shape)
+    # ``gathered`` is empty here; adding its (zero) sum keeps this rank's output connected to
+    # the gather, so this rank's backward still takes part in the scatter that dst starts.
+    return torch.zeros_like(x) + gathered.sum()

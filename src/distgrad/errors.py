@@ -1,0 +1,73 @@
+"""Every error distgrad raises on purpose.
+
+The hierarchy::
+
+    DistgradError
+    ├── CollectiveArgumentError    a collective was called with invalid arguments (a ValueError)
+    │   └── CollectiveMismatchError    ranks disagree on shape, dtype, device or arguments
+    ├── UnsupportedAdjointError    the gradient is not defined for this call (raised at the call)
+    ├── GradientMismatchError      the checker found a gradient that differs from the reference
+    ├── RankFailedError            a process started by run_on_ranks failed or timed out
+    └── RpcAutogradError           distributed autograd over RPC failed
+        └── UnknownContextError    the autograd context id is not known on this worker
+
+Both collective errors are raised on every rank of the group with the same message, before any
+data moves: a rank that finds a problem with its own arguments still takes part in the metadata
+exchange, so its peers learn of the problem instead of waiting for it.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CollectiveArgumentError",
+    "CollectiveMismatchError",
+    "DistgradError",
+    "GradientMismatchError",
+    "RankFailedError",
+    "RpcAutogradError",
+    "UnknownContextError",
+    "UnsupportedAdjointError",
+]
+
+
+class DistgradError(Exception):
+    """Base class of every error distgrad raises on purpose."""
+
+
+class CollectiveArgumentError(DistgradError, ValueError):
+    """A collective was called with invalid arguments on at least one rank.
+
+    Raised on every rank of the group with the same message, which names the op, the rank that
+    passed the argument, what it passed and what was expected.
+    """
+
+
+class CollectiveMismatchError(CollectiveArgumentError):
+    """Ranks called a collective with arguments that do not fit together.
+
+    Raised on every rank of the group with the same message, which names the op, the ranks
+    that disagree and what each of them passed.
+    """
+
+
+class UnsupportedAdjointError(DistgradError):
+    """The gradient of this call is not defined; raised when the op is called, not in backward."""
+
+
+class GradientMismatchError(DistgradError):
+    """A distributed computation's loss or gradients differ from the single-process reference."""
+
+
+class RankFailedError(DistgradError):
+    """One or more ranks started by :func:`distgrad.testing.run_on_ranks` failed or timed out.
+
+    The message holds every failing rank's traceback, the earliest failure first.
+    """
+
+
+class RpcAutogradError(DistgradError):
+    """Distributed autograd over RPC failed; the message names the worker where it started."""
+
+
+class UnknownContextError(RpcAutogradError):
+    """The autograd context id is unknown on this worker (never created, or already released)."""

@@ -1,0 +1,284 @@
+"""``run_on_ranks``: run a function on N local processes joined in a process group.
+
+Why it is built this way (measured on a 2-core machine):
+
+* Ranks start from a *preloaded forkserver*: torch is imported once in the server and each rank
+  is a fork of it, so a 2-rank gloo group costs about 0.1 s instead of 2-4 s with plain spawn.
+  Every call still gets fresh processes, so one failure cannot poison the next call.
+* Rendezvous goes through a ``FileStore`` in a fresh temporary folder: no port to pick, so no
+  race between finding a free port and binding it.
+* A timeout ladder, innermost first: the process group's own timeout turns a missing peer into
+  an error; ``faulthandler`` makes a hung rank print its stack and exit; the parent waits with a
+  deadline and never blocks without one; the processes are always reaped in ``finally``.
+* Fail fast: each rank stamps its error with the time it happened; after the first failure the
+  others get a short grace period (to report their own view) and are then killed, and one error
+  lists every rank's traceback, earliest first, so the root cause is on top.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import pickle
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Literal
+
+from distgrad.errors import RankFailedError
+
+__all__ = ["run_on_ranks"]
+
+Init = Literal["process_group", "rpc", "none"]
+
+_GRACE_S = 2.0  # after the first failure, how long peers may still report before being killed
+_PRELOAD = ["torch", "torch.distributed", "distgrad"]
+_context: Any = None
+
+
+def _forkserver_context() -> Any:
+    """The forkserver context, created once per process with torch preloaded."""
+    global _context
+    if _context is None:
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(_PRELOAD)
+        _context = ctx
+    return _context
+
+
+@dataclass(frozen=True)
+class _RankSpec:
+    rank: int
+    world_size: int
+    rendezvous_dir: str
+    init: Init
+    backend: str
+    collective_timeout: float
+    hang_timeout: float
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    rank: int
+    ok: bool
+    value: Any = None
+    when: float = 0.0
+    summary: str = ""
+    traceback: str = ""
+
+
+def run_on_ranks(
+    fn: Callable[..., Any],
+    world_size: int = 2,
+    *,
+    args: Sequence[Any] = (),
+    timeout: float = 60.0,
+    collective_timeout: float | None = None,
+    backend: str = "gloo",
+    init: Init = "process_group",
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` new local processes.
+
+    Before ``fn`` runs, each process has joined a process group (``init="process_group"``,
+    the default), an RPC group with workers named ``worker0``, ``worker1``, ... (``init="rpc"``)
+    or nothing (``init="none"``). ``fn`` and ``args`` must pickle, so ``fn`` lives at module
+    level; scripts that call this need an ``if __name__ == "__main__":`` guard.
+
+    Returns each rank's return value, indexed by rank (they travel back pickled).
+
+    Raises :class:`~distgrad.errors.RankFailedError` if any rank raises, dies or runs past
+    ``timeout`` seconds. Its message lists every failing rank's traceback, earliest first; the
+    other ranks are killed at most two seconds after the first failure. A rank blocked in a
+    collective whose peer is gone fails after ``collective_timeout`` seconds (default: a third of
+    ``timeout``); a rank hung anywhere else prints its stack and exits shortly before ``timeout``.
+    Processes are always reaped and the rendezvous folder removed.
+    """
+    if world_size < 1:
+        raise ValueError(f"run_on_ranks: world_size must be at least 1, got {world_size}")
+    if timeout <= 0:
+        raise ValueError(f"run_on_ranks: timeout must be positive, got {timeout}")
+    if init not in ("process_group", "rpc", "none"):
+        raise ValueError(f"run_on_ranks: init must be 'process_group', 'rpc' or 'none', got {init!r}")
+    collective_timeout = timeout / 3 if collective_timeout is None else collective_timeout
+    ctx = _forkserver_context()
+    rendezvous_dir = tempfile.mkdtemp(prefix="distgrad-rdzv-")
+    processes: list[Any] = []
+    receivers: list[multiprocessing.connection.Connection] = []
+    try:
+        for rank in range(world_size):
+            spec = _RankSpec(
+                rank=rank,
+                world_size=world_size,
+                rendezvous_dir=rendezvous_dir,
+                init=init,
+                backend=backend,
+                collective_timeout=collective_timeout,
+                hang_timeout=max(timeout - 3.0, timeout * 0.8),
+            )
+            receiver, sender = ctx.Pipe(duplex=False)
+            proc = ctx.Process(
+                target=_rank_main, args=(spec, fn, tuple(args), sender), name=f"distgrad-rank{rank}"
+            )
+            proc.start()
+            sender.close()
+            processes.append(proc)
+            receivers.append(receiver)
+        outcomes = _collect(processes, receivers, time.monotonic() + timeout)
+    finally:
+        _reap(processes)
+        for receiver in receivers:
+            receiver.close()
+        shutil.rmtree(rendezvous_dir, ignore_errors=True)
+    failures = [o for o in outcomes.values() if not o.ok]
+    if failures:
+        raise RankFailedError(_failure_message(fn, world_size, failures))
+    return [outcomes[rank].value for rank in range(world_size)]
+
+
+def _collect(
+    processes: list[Any],
+    receivers: list[multiprocessing.connection.Connection],
+    deadline: float,
+) -> dict[int, _Outcome]:
+    """Wait for every rank's outcome, never past ``deadline`` nor long past the first failure."""
+    outcomes: dict[int, _Outcome] = {}
+    pending = dict(enumerate(receivers))
+    failed_at: float | None = None
+    while pending:
+        now = time.monotonic()
+        stop = deadline if failed_at is None else min(deadline, failed_at + _GRACE_S)
+        if now >= stop:
+            break
+        ready = multiprocessing.connection.wait(list(pending.values()), timeout=stop - now)
+        for conn in ready:
+            rank = next(r for r, c in pending.items() if c is conn)
+            del pending[rank]
+            outcome = _receive(conn, rank, processes[rank])
+            outcomes[rank] = outcome
+            if not outcome.ok and failed_at is None:
+                failed_at = time.monotonic()
+    for rank in pending:
+        why = (
+            "killed: it was still running after another rank had failed"
+            if failed_at is not None
+            else "timed out: still running at the deadline"
+        )
+        outcomes[rank] = _Outcome(rank=rank, ok=False, when=float("inf"), summary=why)
+    return outcomes
+
+
+def _receive(conn: multiprocessing.connection.Connection, rank: int, proc: Any) -> _Outcome:
+    try:
+        outcome: _Outcome = pickle.loads(conn.recv_bytes())
+        return outcome
+    except (EOFError, OSError):
+        proc.join(timeout=1.0)
+        code = proc.exitcode
+        return _Outcome(
+            rank=rank,
+            ok=False,
+            when=time.time(),
+            summary=f"died without reporting (exit code {code}); a hang dump, if any, is above",
+        )
+
+
+def _reap(processes: list[Any]) -> None:
+    for proc in processes:
+        if proc.is_alive():
+            proc.kill()
+    for proc in processes:
+        proc.join(timeout=5.0)
+
+
+def _failure_message(fn: Callable[..., Any], world_size: int, failures: list[_Outcome]) -> str:
+    name = getattr(fn, "__qualname__", repr(fn))
+    failures = sorted(failures, key=lambda o: (o.when, o.rank))
+    lines = [f"{name} failed on {len(failures)} of {world_size} ranks (earliest first):"]
+    for outcome in failures:
+        lines.append(f"--- rank {outcome.rank}: {outcome.summary}")
+        if outcome.traceback:
+            lines.append(outcome.traceback.rstrip())
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Inside a rank
+
+
+def _rank_main(
+    spec: _RankSpec,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    sender: multiprocessing.connection.Connection,
+) -> None:
+    faulthandler.dump_traceback_later(spec.hang_timeout, exit=True)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    import torch
+
+    # Two ranks on two cores leave no room for intra-op threads.
+    torch.set_num_threads(1)
+    try:
+        _join(spec)
+        value = fn(spec.rank, spec.world_size, *args)
+        outcome = _Outcome(rank=spec.rank, ok=True, value=value)
+        try:
+            payload = pickle.dumps(outcome)
+        except Exception as exc:  # the function returned something that does not pickle
+            raise TypeError(f"the value returned on rank {spec.rank} does not pickle: {exc}") from exc
+        _leave(spec)
+    except BaseException as exc:
+        when = time.time()
+        summary = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+        outcome = _Outcome(
+            rank=spec.rank, ok=False, when=when, summary=summary, traceback=traceback.format_exc()
+        )
+        payload = pickle.dumps(outcome)
+        # Report first, then leave without tearing down the group: a teardown could block on
+        # peers that are themselves stuck.
+        sender.send_bytes(payload)
+        sender.close()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    sender.send_bytes(payload)
+    sender.close()
+    faulthandler.cancel_dump_traceback_later()
+
+
+def _join(spec: _RankSpec) -> None:
+    import torch.distributed as dist
+
+    timeout = timedelta(seconds=spec.collective_timeout)
+    if spec.init == "process_group":
+        store = dist.FileStore(os.path.join(spec.rendezvous_dir, "store"), spec.world_size)
+        dist.init_process_group(
+            spec.backend, store=store, rank=spec.rank, world_size=spec.world_size, timeout=timeout
+        )
+    elif spec.init == "rpc":
+        from distgrad.rpc import init_rpc
+
+        init_rpc(
+            f"worker{spec.rank}",
+            rank=spec.rank,
+            world_size=spec.world_size,
+            init_method=f"file://{os.path.join(spec.rendezvous_dir, 'rpc')}",
+            timeout=spec.collective_timeout,
+        )
+
+
+def _leave(spec: _RankSpec) -> None:
+    import torch.distributed as dist
+
+    if spec.init == "process_group" and dist.is_initialized():
+        dist.destroy_process_group()
+    elif spec.init == "rpc":
+        from distgrad.rpc import shutdown
+
+        shutdown()

@@ -1,0 +1,124 @@
+"""Single-process ground truth for every collective: all ranks simulated in one process.
+
+``outputs(case, xs)`` returns what each rank's call returns when rank r passed ``xs[r]``, built
+from plain torch ops on the global data, so autograd of ``sum_r <outputs[r], v[r]>`` is the
+gradient every distributed test compares with (the sum objective of docs/semantics.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Case:
+    op: str  # the distgrad function name
+    shapes: tuple[tuple[int, ...], ...]  # rank r's input shape; None entries mean "pass None"
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    per_rank_kwargs: tuple[dict[str, Any], ...] | None = None  # e.g. all_to_all input_sizes
+    data: str = "randn"  # "randn", "zeros" (prod with zero entries) or "ties" (max/min ties)
+
+    def kwargs_for(self, rank: int) -> dict[str, Any]:
+        extra = self.per_rank_kwargs[rank] if self.per_rank_kwargs else {}
+        return {**self.kwargs, **extra}
+
+
+def seeded(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def inputs(case: Case, dtype: torch.dtype, seed: int = 0) -> list[Tensor]:
+    """Every rank's input, the same on every process.
+
+    "zeros": entry 0 is zero on every rank (several zeros) and entry 1 on rank 0 only (a single
+    zero, whose gradient is the product of the others). "ties": small integers, so many entries
+    tie across ranks.
+    """
+    xs = []
+    for r, shape in enumerate(case.shapes):
+        gen = seeded(seed * 100 + r)
+        if case.data == "ties":
+            x = torch.randint(0, 3, shape, generator=gen).to(dtype)
+        else:
+            x = torch.randn(shape, dtype=dtype, generator=gen)
+        if case.data == "zeros":
+            flat = x.view(-1)
+            flat[0] = 0.0
+            if r == 0 and flat.numel() > 1:
+                flat[1] = 0.0
+        xs.append(x)
+    return xs
+
+
+def cotangents(outs: list[Tensor], seed: int = 1) -> list[Tensor]:
+    """A different random cotangent for every rank's output (a symmetric loss hides misrouting)."""
+    return [
+        torch.randn(o.shape, dtype=o.dtype, generator=seeded(seed * 1000 + r))
+        for r, o in enumerate(outs)
+    ]
+
+
+def _reduce(stacked: Tensor, op: str) -> Tensor:
+    if op == "sum":
+        return stacked.sum(0)
+    if op == "avg":
+        return stacked.mean(0)
+    if op == "prod":
+        return stacked.prod(0)
+    if op == "max":
+        return stacked.amax(0)
+    return stacked.amin(0)
+
+
+def outputs(case: Case, xs: list[Tensor]) -> list[Tensor]:
+    n = len(xs)
+    k = case.kwargs
+    op = case.op
+    dim = k.get("dim", 0)
+    if op == "all_gather":
+        return [torch.cat(xs, dim)] * n
+    if op == "all_reduce":
+        return [_reduce(torch.stack(xs), k.get("op", "sum"))] * n
+    if op == "reduce_scatter":
+        red = _reduce(torch.stack(xs), k.get("op", "sum"))
+        sizes = k.get("sizes") or [red.shape[dim] // n] * n
+        return list(red.split(list(sizes), dim))
+    if op == "all_to_all":
+        parts = []
+        for s in range(n):
+            sizes = case.kwargs_for(s).get("input_sizes") or [xs[s].shape[dim] // n] * n
+            parts.append(xs[s].split(list(sizes), dim))
+        return [torch.cat([parts[s][r] for s in range(n)], dim) for r in range(n)]
+    if op == "broadcast":
+        return [xs[k["src"]]] * n
+    if op == "reduce":
+        red = _reduce(torch.stack(xs), k.get("op", "sum"))
+        return [red if r == k["dst"] else torch.zeros_like(red) for r in range(n)]
+    if op == "gather":
+        full = torch.cat(xs, dim)
+        empty = full.narrow(dim, 0, 0)
+        return [full if r == k["dst"] else empty for r in range(n)]
+    if op == "scatter":
+        src = xs[k["src"]]
+        sizes = k.get("sizes") or [src.shape[dim] // n] * n
+        return list(src.split(list(sizes), dim))
+    if op == "permute":
+        perm = k["perm"]
+        out: list[Tensor] = [xs[0]] * n
+        for r in range(n):
+            out[perm[r]] = xs[r]
+        return out
+    raise AssertionError(op)
+
+
+def reference_grads(case: Case, xs: list[Tensor], vs: list[Tensor]) -> list[Tensor]:
+    """d/dx_r of sum_r <outputs[r], vs[r]>, computed in one process."""
+    leaves = [x.detach().clone().requires_grad_() for x in xs]
+    outs = outputs(case, leaves)
+    total = sum((o * v).sum() for o, v in zip(outs, vs, strict=True))
+    grads = torch.autograd.grad(total, leaves, allow_unused=True)
+    return [g if g is not None else torch.zeros_like(x) for g, x in zip(grads, xs, strict=True)]

@@ -1,0 +1,137 @@
+"""Every collective's forward and gradient against single-process ground truth.
+
+Semantics asserted (docs/semantics.md): with ``objective="sum"`` the objective is
+``sum_r <out_r, v_r>`` with a *different* random cotangent ``v_r`` on every rank, and each rank's
+input gradient must equal autograd of that objective computed in one process on every rank's
+data (tests/collectives/reference.py). With ``objective="replicated"`` every rank uses the same
+cotangent and the objective counts once: ``<out, v>``.
+
+Tolerances: float64 to 1e-10 relative (the reductions may add in a different order than the
+reference); float32 to 1e-5 relative for the same reason.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import distgrad as dg
+from distgrad.testing import run_on_ranks
+from tests.collectives.reference import Case, cotangents, inputs, outputs, reference_grads
+
+OPS = ("sum", "avg", "prod", "max", "min")
+TOL = {torch.float64: {"rtol": 1e-10, "atol": 1e-12}, torch.float32: {"rtol": 1e-5, "atol": 1e-6}}
+
+
+def cases(n: int) -> list[Case]:
+    """A broad sweep of every op on ``n`` ranks: even and uneven sizes, several dims."""
+    uneven = tuple((2 + r, 4) for r in range(n))
+    out: list[Case] = [
+        Case("all_gather", ((3, 4),) * n),
+        Case("all_gather", uneven),
+        Case("all_gather", tuple((3, 1 + r, 2) for r in range(n)), {"dim": 1}),
+        Case("all_gather", tuple((2, 1 + r) for r in range(n)), {"dim": -1}),
+        Case("broadcast", ((3, 2),) * n, {"src": n - 1}),
+        Case("gather", uneven, {"dst": n - 1}),
+        Case("gather", tuple((2, 1 + r) for r in range(n)), {"dst": 0, "dim": 1}),
+        Case("scatter", ((2 * n, 3),) * n, {"src": n - 1}),
+        Case("scatter", ((3, n * (n + 1) // 2),) * n,
+             {"src": 0, "dim": 1, "sizes": [r + 1 for r in range(n)]}),
+        Case("permute", ((3, 2),) * n, {"perm": [(r + 1) % n for r in range(n)]}),
+        Case("permute", tuple((r + 1, 2) for r in range(n)), {"perm": list(reversed(range(n)))}),
+        Case("all_to_all", ((2 * n, 3),) * n),
+        Case("all_to_all", tuple((3, sum(range(1, n + 1)) + r * n) for r in range(n)),
+             {"dim": 1}, tuple({"input_sizes": [s + r for s in range(1, n + 1)]} for r in range(n))),
+    ]
+    for op in OPS:
+        out += [
+            Case("all_reduce", ((3, 5),) * n, {"op": op}),
+            Case("all_reduce", ((7,),) * n, {"op": op}),  # 7 entries split unevenly over ranks
+            Case("reduce_scatter", ((2 * n, 3),) * n, {"op": op}),
+            Case("reduce_scatter", ((2, n * (n + 1) // 2),) * n,
+                 {"op": op, "dim": 1, "sizes": [r + 1 for r in range(n)]}),
+            Case("reduce", ((3, 4),) * n, {"op": op, "dst": n - 1}),
+        ]
+    return out
+
+
+def edge_cases(n: int) -> list[Case]:
+    """prod with zero entries, max and min with ties across ranks."""
+    out = []
+    for op in ("prod",):
+        out += [Case("all_reduce", ((4, 3),) * n, {"op": op}, data="zeros"),
+                Case("reduce_scatter", ((2 * n, 2),) * n, {"op": op}, data="zeros"),
+                Case("reduce", ((4, 3),) * n, {"op": op, "dst": 0}, data="zeros")]
+    for op in ("max", "min"):
+        out += [Case("all_reduce", ((4, 3),) * n, {"op": op}, data="ties"),
+                Case("reduce_scatter", ((2 * n, 2),) * n, {"op": op}, data="ties"),
+                Case("reduce", ((4, 3),) * n, {"op": op, "dst": n - 1}, data="ties")]
+    return out
+
+
+def replicated_cases(n: int) -> list[Case]:
+    out = [
+        Case("all_gather", tuple((2 + r, 3) for r in range(n)), {"objective": "replicated"}),
+        Case("broadcast", ((3, 2),) * n, {"src": n - 1, "objective": "replicated"}),
+    ]
+    out += [Case("all_reduce", ((3, 4),) * n, {"op": op, "objective": "replicated"}) for op in OPS]
+    return out
+
+
+def check_case(rank: int, n: int, case: Case, dtype: torch.dtype) -> None:
+    xs = inputs(case, dtype)
+    expected = outputs(case, xs)
+    if case.kwargs.get("objective") == "replicated":
+        shared = cotangents(expected)[0]
+        vs = [shared] * n
+        grads = reference_grads(case, xs, [shared] + [torch.zeros_like(shared)] * (n - 1))
+    else:
+        vs = cotangents(expected)
+        grads = reference_grads(case, xs, vs)
+    x = xs[rank].clone().requires_grad_()
+    passes_none = case.op == "scatter" and rank != case.kwargs["src"]
+    out = getattr(dg, case.op)(None if passes_none else x, **case.kwargs_for(rank))
+    torch.testing.assert_close(out, expected[rank], **TOL[dtype], msg=lambda m: f"forward: {m}")
+    (out * vs[rank]).sum().backward()
+    if not passes_none:
+        got = x.grad if x.grad is not None else torch.zeros_like(x)
+        torch.testing.assert_close(got, grads[rank], **TOL[dtype], msg=lambda m: f"gradient: {m}")
+
+
+def check_all(rank: int, n: int, which: str, dtype_name: str) -> list[str]:
+    dtype = getattr(torch, dtype_name)
+    chosen = {"main": cases, "edge": edge_cases, "replicated": replicated_cases}[which](n)
+    failures = []
+    for case in chosen:
+        try:
+            check_case(rank, n, case, dtype)
+        except AssertionError as exc:
+            failures.append(f"rank {rank}: {case}: {exc}")
+    return failures
+
+
+def _assert_none_failed(results: list[list[str]]) -> None:
+    failures = [f for per_rank in results for f in per_rank]
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("dtype_name", ["float64", "float32"])
+def test_every_op_matches_single_process_autograd(world_size: int, dtype_name: str) -> None:
+    """Forward and input gradient of every op, even and uneven sizes, random cotangents."""
+    _assert_none_failed(run_on_ranks(check_all, world_size, args=("main", dtype_name)))
+
+
+def test_every_op_matches_single_process_autograd_on_four_ranks() -> None:
+    _assert_none_failed(run_on_ranks(check_all, 4, args=("main", "float64")))
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_prod_with_zeros_and_max_min_with_ties_match_torch(world_size: int) -> None:
+    """prod: no NaN, a single zero gets the product of the others; max/min: ties split evenly."""
+    _assert_none_failed(run_on_ranks(check_all, world_size, args=("edge", "float64")))
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_replicated_objective_counts_the_shared_loss_once(world_size: int) -> None:
+    _assert_none_failed(run_on_ranks(check_all, world_size, args=("replicated", "float64")))
