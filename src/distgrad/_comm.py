@@ -124,8 +124,10 @@ def broadcast(x: Tensor, src: int, group: Group) -> Tensor:
     """Every rank gets group rank ``src``'s ``x`` (other ranks' values are not read)."""
     if group.pg is None:
         return x.clone()
-    out = x.clone(memory_format=torch.contiguous_format) if group.rank == src else torch.empty_like(
-        x, memory_format=torch.contiguous_format
+    out = (
+        x.clone(memory_format=torch.contiguous_format)
+        if group.rank == src
+        else torch.empty_like(x, memory_format=torch.contiguous_format)
     )
     dist.broadcast(out, src=group.global_rank(src), group=group.pg)
     return out
@@ -172,14 +174,12 @@ def scatter(
     chunks = None
     if group.rank == src:
         assert x is not None
-        chunks = [_pad_rows(part, width) for part in x.split(list(sizes))]
+        chunks = [_pad_rows(part, width) for part in torch.split(x, list(sizes))]
     dist.scatter(out, chunks, src=group.global_rank(src), group=group.pg)
     return out[: sizes[group.rank]]
 
 
-def permute(
-    x: Tensor, perm: Sequence[int], recv_shape: Sequence[int], group: Group
-) -> Tensor:
+def permute(x: Tensor, perm: Sequence[int], recv_shape: Sequence[int], group: Group) -> Tensor:
     """Send ``x`` to group rank ``perm[rank]``; return what the rank that maps here sent."""
     if group.pg is None or perm[group.rank] == group.rank:
         return x.clone()

@@ -178,12 +178,20 @@ def _check_same_call(desc: str, group: Group, calls: list[RankCall], rows: list[
             "every rank must make the same sequence of calls"
         )
     require_same(
-        desc, group, calls, "which collective they called", lambda c: c.op,
+        desc,
+        group,
+        calls,
+        "which collective they called",
+        lambda c: c.op,
         "every rank must call the same collectives in the same order",
     )
     require_same(
-        desc, group, calls, "how many distgrad collectives they made on this group before",
-        lambda c: c.seq, "a rank skipped or added a collective call",
+        desc,
+        group,
+        calls,
+        "how many distgrad collectives they made on this group before",
+        lambda c: c.seq,
+        "a rank skipped or added a collective call",
     )
 
 

@@ -35,21 +35,31 @@ def cases(n: int) -> list[Case]:
         Case("gather", uneven, {"dst": n - 1}),
         Case("gather", tuple((2, 1 + r) for r in range(n)), {"dst": 0, "dim": 1}),
         Case("scatter", ((2 * n, 3),) * n, {"src": n - 1}),
-        Case("scatter", ((3, n * (n + 1) // 2),) * n,
-             {"src": 0, "dim": 1, "sizes": [r + 1 for r in range(n)]}),
+        Case(
+            "scatter",
+            ((3, n * (n + 1) // 2),) * n,
+            {"src": 0, "dim": 1, "sizes": [r + 1 for r in range(n)]},
+        ),
         Case("permute", ((3, 2),) * n, {"perm": [(r + 1) % n for r in range(n)]}),
         Case("permute", tuple((r + 1, 2) for r in range(n)), {"perm": list(reversed(range(n)))}),
         Case("all_to_all", ((2 * n, 3),) * n),
-        Case("all_to_all", tuple((3, sum(range(1, n + 1)) + r * n) for r in range(n)),
-             {"dim": 1}, tuple({"input_sizes": [s + r for s in range(1, n + 1)]} for r in range(n))),
+        Case(
+            "all_to_all",
+            tuple((3, sum(range(1, n + 1)) + r * n) for r in range(n)),
+            {"dim": 1},
+            tuple({"input_sizes": [s + r for s in range(1, n + 1)]} for r in range(n)),
+        ),
     ]
     for op in OPS:
         out += [
             Case("all_reduce", ((3, 5),) * n, {"op": op}),
             Case("all_reduce", ((7,),) * n, {"op": op}),  # 7 entries split unevenly over ranks
             Case("reduce_scatter", ((2 * n, 3),) * n, {"op": op}),
-            Case("reduce_scatter", ((2, n * (n + 1) // 2),) * n,
-                 {"op": op, "dim": 1, "sizes": [r + 1 for r in range(n)]}),
+            Case(
+                "reduce_scatter",
+                ((2, n * (n + 1) // 2),) * n,
+                {"op": op, "dim": 1, "sizes": [r + 1 for r in range(n)]},
+            ),
             Case("reduce", ((3, 4),) * n, {"op": op, "dst": n - 1}),
         ]
     return out
@@ -59,13 +69,17 @@ def edge_cases(n: int) -> list[Case]:
     """prod with zero entries, max and min with ties across ranks."""
     out = []
     for op in ("prod",):
-        out += [Case("all_reduce", ((4, 3),) * n, {"op": op}, data="zeros"),
-                Case("reduce_scatter", ((2 * n, 2),) * n, {"op": op}, data="zeros"),
-                Case("reduce", ((4, 3),) * n, {"op": op, "dst": 0}, data="zeros")]
+        out += [
+            Case("all_reduce", ((4, 3),) * n, {"op": op}, data="zeros"),
+            Case("reduce_scatter", ((2 * n, 2),) * n, {"op": op}, data="zeros"),
+            Case("reduce", ((4, 3),) * n, {"op": op, "dst": 0}, data="zeros"),
+        ]
     for op in ("max", "min"):
-        out += [Case("all_reduce", ((4, 3),) * n, {"op": op}, data="ties"),
-                Case("reduce_scatter", ((2 * n, 2),) * n, {"op": op}, data="ties"),
-                Case("reduce", ((4, 3),) * n, {"op": op, "dst": n - 1}, data="ties")]
+        out += [
+            Case("all_reduce", ((4, 3),) * n, {"op": op}, data="ties"),
+            Case("reduce_scatter", ((2 * n, 2),) * n, {"op": op}, data="ties"),
+            Case("reduce", ((4, 3),) * n, {"op": op, "dst": n - 1}, data="ties"),
+        ]
     return out
 
 

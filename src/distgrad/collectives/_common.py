@@ -28,6 +28,7 @@ __all__ = [
     "Objective",
     "ReduceOp",
     "anchor",
+    "apply",
     "check_shapes_equal",
     "check_shapes_except",
     "from_front",
@@ -102,28 +103,63 @@ def handshake(
         if not arg.same:
             continue
         require_same(
-            desc, group, calls, arg.name, lambda c, i=i, arg=arg: arg.show(c.args[i]),
+            desc,
+            group,
+            calls,
+            arg.name,
+            _arg_value(i, arg),
             f"every rank must pass the same {arg.name}",
         )
     with_tensor = [c for c in calls if c.has_tensor]
     if with_tensor:
-        require_same(desc, group, with_tensor, "dtype", lambda c: c.dtype,
-                     "every rank must pass the same dtype")
-        require_same(desc, group, with_tensor, "device type", lambda c: c.device_type,
-                     "every rank must pass tensors on the same kind of device")
+        require_same(
+            desc,
+            group,
+            with_tensor,
+            "dtype",
+            lambda c: c.dtype,
+            "every rank must pass the same dtype",
+        )
+        require_same(
+            desc,
+            group,
+            with_tensor,
+            "device type",
+            lambda c: c.device_type,
+            "every rank must pass tensors on the same kind of device",
+        )
     return calls
 
 
+def _arg_value(index: int, arg: Arg) -> Callable[[RankCall], object]:
+    return lambda call: arg.show(call.args[index])
+
+
 def check_shapes_equal(desc: str, group: Group, calls: Sequence[RankCall]) -> None:
-    require_same(desc, group, calls, "shape", lambda c: c.shape,
-                 "every rank must pass a tensor of the same shape")
+    require_same(
+        desc,
+        group,
+        calls,
+        "shape",
+        lambda c: c.shape,
+        "every rank must pass a tensor of the same shape",
+    )
 
 
 def check_shapes_except(desc: str, group: Group, calls: Sequence[RankCall], dim: int) -> None:
-    require_same(desc, group, calls, "number of dims", lambda c: len(c.shape),
-                 "every rank must pass a tensor with the same number of dims")
     require_same(
-        desc, group, calls, f"the shape outside dim {dim}",
+        desc,
+        group,
+        calls,
+        "number of dims",
+        lambda c: len(c.shape),
+        "every rank must pass a tensor with the same number of dims",
+    )
+    require_same(
+        desc,
+        group,
+        calls,
+        f"the shape outside dim {dim}",
         lambda c: tuple(s for i, s in enumerate(c.shape) if i != dim),
         f"all dims except dim {dim} must match",
     )
@@ -146,6 +182,12 @@ def check_grad_dtype(desc: str, op: str, dtype: torch.dtype | None, required: bo
             f"{desc}: op={op!r} has no gradient for complex tensors (complex numbers are not "
             "ordered)"
         )
+
+
+def apply(function: type[torch.autograd.Function], *args: object) -> Tensor:
+    """``function.apply(*args)``, typed (torch leaves ``Function.apply`` untyped)."""
+    out: Tensor = function.apply(*args)  # type: ignore[no-untyped-call]
+    return out
 
 
 def to_front(x: Tensor, dim: int) -> Tensor:

@@ -23,11 +23,23 @@ def check_backward_order(op: str, group: Group, grad: Tensor | None = None) -> N
         return
     desc = f"backward of {op}"
     calls = exchange("backward", desc, group, grad, [hash(op)])
-    require_same(desc, group, calls, "which collective's backward they run", lambda c: c.args,
-                 "ranks reached their backward collectives in different orders; make every "
-                 "rank's loss use the collective outputs in the same way")
-    require_same(desc, group, calls, "the gradient's shape", lambda c: c.shape,
-                 "ranks reached their backward collectives in different orders")
+    require_same(
+        desc,
+        group,
+        calls,
+        "which collective's backward they run",
+        lambda c: c.args,
+        "ranks reached their backward collectives in different orders; make every "
+        "rank's loss use the collective outputs in the same way",
+    )
+    require_same(
+        desc,
+        group,
+        calls,
+        "the gradient's shape",
+        lambda c: c.shape,
+        "ranks reached their backward collectives in different orders",
+    )
 
 
 def check_replicated(op: str, group: Group, grad: Tensor) -> None:

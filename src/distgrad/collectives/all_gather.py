@@ -47,7 +47,7 @@ class _AllGather(torch.autograd.Function):
             start = c.offsets(plan.sizes)[plan.group.rank]
             local = grad.narrow(plan.dim, start, plan.sizes[plan.group.rank])
         else:
-            local = _ReduceScatterSum.apply(grad, plan, None)
+            local = c.apply(_ReduceScatterSum, grad, plan, None)
         return (local if ctx.needs_input_grad[0] else None), None, None
 
 
@@ -62,7 +62,7 @@ class _ReduceScatterSum(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None]:
         plan: _Plan = ctx.plan
         check_backward_order("reduce_scatter", plan.group)
-        full = _AllGather.apply(grad, replace(plan, objective="sum"), None)
+        full = c.apply(_AllGather, grad, replace(plan, objective="sum"), None)
         return (full if ctx.needs_input_grad[0] else None), None, None
 
 
@@ -77,8 +77,7 @@ def apply_all_gather(
     """all_gather without the handshake, for ops built on it (their arguments are checked)."""
     if group.size == 1:
         return x.clone()
-    out: Tensor = _AllGather.apply(x, _Plan(group, sizes, dim, objective), c.anchor(x, required))
-    return out
+    return c.apply(_AllGather, x, _Plan(group, sizes, dim, objective), c.anchor(x, required))
 
 
 def apply_reduce_scatter(
@@ -91,8 +90,7 @@ def apply_reduce_scatter(
         return x.clone()
     if op == "sum":
         plan = _Plan(group, sizes, dim)
-        out: Tensor = _ReduceScatterSum.apply(x, plan, c.anchor(x, required))
-        return out
+        return c.apply(_ReduceScatterSum, x, plan, c.anchor(x, required))
     # prod, max, min: every rank receives the N slices of its part and reduces them locally, so
     # the gradient is torch's own for a local amax/amin/prod over the stacked slices (ties split
     # evenly, zeros exact) and all_to_all (self-adjoint) routes it back to the owners.
@@ -137,9 +135,18 @@ def all_gather(
     dim, problem = c.normalize_dim(dim, ndim)
     problem = problem or c.objective_problem(objective)
     calls = c.handshake(
-        "all_gather", desc, g, x,
-        [c.Arg("dim", dim), c.Arg("objective", c.OBJECTIVES.index(objective) if not problem else 0,
-                                   lambda i: c.OBJECTIVES[i])],
+        "all_gather",
+        desc,
+        g,
+        x,
+        [
+            c.Arg("dim", dim),
+            c.Arg(
+                "objective",
+                c.OBJECTIVES.index(objective) if not problem else 0,
+                lambda i: c.OBJECTIVES[i],
+            ),
+        ],
         problem,
     )
     c.check_shapes_except(desc, g, calls, dim)
@@ -183,9 +190,15 @@ def reduce_scatter(
     problem = problem or size_problem
     op_code = c.REDUCE_OPS.index(op) if op in c.REDUCE_OPS else 0
     calls = c.handshake(
-        "reduce_scatter", desc, g, x,
-        [c.Arg("op", op_code, lambda i: c.REDUCE_OPS[i]), c.Arg("dim", dim),
-         c.Arg("sizes (as a hash)", hash(plan_sizes))],
+        "reduce_scatter",
+        desc,
+        g,
+        x,
+        [
+            c.Arg("op", op_code, lambda i: c.REDUCE_OPS[i]),
+            c.Arg("dim", dim),
+            c.Arg("sizes (as a hash)", hash(plan_sizes)),
+        ],
         problem,
     )
     c.check_shapes_equal(desc, g, calls)

@@ -45,7 +45,7 @@ class _AllReduceSum(torch.autograd.Function):
             check_replicated("all_reduce", plan.group, grad)
             back = grad
         else:
-            back = _AllReduceSum.apply(grad, plan, None)
+            back = c.apply(_AllReduceSum, grad, plan, None)
         return (back if ctx.needs_input_grad[0] else None), None, None
 
 
@@ -58,8 +58,7 @@ def apply_all_reduce(
     if op == "avg":
         return apply_all_reduce(x, group, "sum", objective, required) / group.size
     if op == "sum":
-        out: Tensor = _AllReduceSum.apply(x, _Plan(group, objective), c.anchor(x, required))
-        return out
+        return c.apply(_AllReduceSum, x, _Plan(group, objective), c.anchor(x, required))
     flat = x.reshape(-1)
     sizes = tuple(c.near_even(flat.numel(), group.size))
     part = apply_reduce_scatter(flat, group, sizes, 0, op, required)
@@ -101,9 +100,14 @@ def all_reduce(
     op_code = c.REDUCE_OPS.index(op) if op in c.REDUCE_OPS else 0
     obj_code = c.OBJECTIVES.index(objective) if objective in c.OBJECTIVES else 0
     calls = c.handshake(
-        "all_reduce", desc, g, x,
-        [c.Arg("op", op_code, lambda i: c.REDUCE_OPS[i]),
-         c.Arg("objective", obj_code, lambda i: c.OBJECTIVES[i])],
+        "all_reduce",
+        desc,
+        g,
+        x,
+        [
+            c.Arg("op", op_code, lambda i: c.REDUCE_OPS[i]),
+            c.Arg("objective", obj_code, lambda i: c.OBJECTIVES[i]),
+        ],
         problem,
     )
     c.check_shapes_equal(desc, g, calls)

@@ -41,7 +41,7 @@ class _AllToAll(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None]:
         plan: _Plan = ctx.plan
         check_backward_order("all_to_all", plan.group, grad)
-        back = _AllToAll.apply(grad, plan.swapped(), None)
+        back = c.apply(_AllToAll, grad, plan.swapped(), None)
         return (back if ctx.needs_input_grad[0] else None), None, None
 
 
@@ -57,8 +57,7 @@ def apply_all_to_all(
     if group.size == 1:
         return x.clone()
     plan = _Plan(group, input_sizes, output_sizes, dim)
-    out: Tensor = _AllToAll.apply(x, plan, c.anchor(x, required))
-    return out
+    return c.apply(_AllToAll, x, plan, c.anchor(x, required))
 
 
 def all_to_all(
@@ -91,12 +90,11 @@ def all_to_all(
     total = x.shape[dim] if x.dim() else 0
     sent, size_problem = _input_sizes(input_sizes, total, g.size)
     problem = problem or size_problem
-    if output_sizes is not None and problem is None:
-        if len(output_sizes) != g.size or any(not isinstance(s, int) or s < 0 for s in output_sizes):
-            problem = f"output_sizes must be {g.size} non-negative ints, got {list(output_sizes)}"
+    if problem is None and output_sizes is not None:
+        problem = _output_sizes_problem(output_sizes, g.size)
     calls = c.handshake("all_to_all", desc, g, x, [c.Arg("dim", dim)], problem)
     c.check_shapes_except(desc, g, calls, dim)
-    received = _exchange_sizes(desc, g, sent, output_sizes, x.device)
+    received = _exchange_sizes(desc, g, sent, output_sizes)
     return apply_all_to_all(x, g, sent, received, dim, c.needs_grad(calls))
 
 
@@ -120,12 +118,17 @@ def _input_sizes(
     return sizes, None
 
 
+def _output_sizes_problem(sizes: list[int] | tuple[int, ...], parts: int) -> str | None:
+    if len(sizes) != parts or any(not isinstance(s, int) or s < 0 for s in sizes):
+        return f"output_sizes must be {parts} non-negative ints (one per rank), got {list(sizes)}"
+    return None
+
+
 def _exchange_sizes(
     desc: str,
     group: Group,
     sent: tuple[int, ...],
     expected: list[int] | tuple[int, ...] | None,
-    device: torch.device,
 ) -> tuple[int, ...]:
     """What this rank receives from each rank; every rank checks every rank's expectation."""
     if group.size == 1:

@@ -44,7 +44,7 @@ class _Broadcast(torch.autograd.Function):
             check_replicated("broadcast", plan.group, grad)
             back = grad if plan.group.rank == plan.root else None
         else:
-            summed = _ReduceSum.apply(grad, _Plan(plan.group, plan.root), None)
+            summed = c.apply(_ReduceSum, grad, _Plan(plan.group, plan.root), None)
             back = summed if plan.group.rank == plan.root else None
         return (back if ctx.needs_input_grad[0] else None), None, None
 
@@ -61,7 +61,7 @@ class _ReduceSum(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None]:
         plan: _Plan = ctx.plan
         check_backward_order("reduce", plan.group, grad)
-        back = _Broadcast.apply(grad, plan, None)
+        back = c.apply(_Broadcast, grad, plan, None)
         return (back if ctx.needs_input_grad[0] else None), None, None
 
 
@@ -91,17 +91,21 @@ def broadcast(
     problem = c.rank_problem("src", src, g.size) or c.objective_problem(objective)
     obj_code = c.OBJECTIVES.index(objective) if objective in c.OBJECTIVES else 0
     calls = c.handshake(
-        "broadcast", desc, g, x,
-        [c.Arg("src", src if problem is None else -1),
-         c.Arg("objective", obj_code, lambda i: c.OBJECTIVES[i])],
+        "broadcast",
+        desc,
+        g,
+        x,
+        [
+            c.Arg("src", src if problem is None else -1),
+            c.Arg("objective", obj_code, lambda i: c.OBJECTIVES[i]),
+        ],
         problem,
     )
     c.check_shapes_equal(desc, g, calls)
     if g.size == 1:
         return x.clone()
     plan = _Plan(g, src, objective)
-    out: Tensor = _Broadcast.apply(x, plan, c.anchor(x, c.needs_grad(calls)))
-    return out
+    return c.apply(_Broadcast, x, plan, c.anchor(x, c.needs_grad(calls)))
 
 
 def reduce(
@@ -133,9 +137,14 @@ def reduce(
     problem = c.rank_problem("dst", dst, g.size) or c.op_problem(op)
     op_code = c.REDUCE_OPS.index(op) if op in c.REDUCE_OPS else 0
     calls = c.handshake(
-        "reduce", desc, g, x,
-        [c.Arg("dst", dst if problem is None else -1),
-         c.Arg("op", op_code, lambda i: c.REDUCE_OPS[i])],
+        "reduce",
+        desc,
+        g,
+        x,
+        [
+            c.Arg("dst", dst if problem is None else -1),
+            c.Arg("op", op_code, lambda i: c.REDUCE_OPS[i]),
+        ],
         problem,
     )
     c.check_shapes_equal(desc, g, calls)
@@ -150,8 +159,7 @@ def _apply_reduce(x: Tensor, group: Group, dst: int, op: str, required: bool) ->
     if op == "avg":
         return _apply_reduce(x, group, dst, "sum", required) / group.size
     if op == "sum":
-        out: Tensor = _ReduceSum.apply(x, _Plan(group, dst), c.anchor(x, required))
-        return out
+        return c.apply(_ReduceSum, x, _Plan(group, dst), c.anchor(x, required))
     flat = x.reshape(-1)
     sizes = tuple(c.near_even(flat.numel(), group.size))
     part = apply_reduce_scatter(flat, group, sizes, 0, op, required)

@@ -47,15 +47,13 @@ class _Gather(torch.autograd.Function):
         plan: _Plan = ctx.plan
         check_backward_order("gather", plan.group)
         is_root = plan.group.rank == plan.root
-        back = _Scatter.apply(grad if is_root else None, plan, None)
+        back = c.apply(_Scatter, grad if is_root else None, plan, None)
         return (back if ctx.needs_input_grad[0] else None), None, None
 
 
 class _Scatter(torch.autograd.Function):
     @staticmethod
-    def forward(
-        ctx: FunctionCtx, x: Tensor | None, plan: _Plan, anchor: Tensor | None
-    ) -> Tensor:
+    def forward(ctx: FunctionCtx, x: Tensor | None, plan: _Plan, anchor: Tensor | None) -> Tensor:
         ctx.plan = plan  # type: ignore[attr-defined]
         moved = c.to_front(x, plan.dim) if x is not None else None
         out = _comm.scatter(
@@ -67,7 +65,7 @@ class _Scatter(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None]:
         plan: _Plan = ctx.plan
         check_backward_order("scatter", plan.group)
-        full = _Gather.apply(grad, plan, None)
+        full = c.apply(_Gather, grad, plan, None)
         is_root = plan.group.rank == plan.root
         return (full if is_root and ctx.needs_input_grad[0] else None), None, None
 
@@ -80,13 +78,10 @@ def apply_gather(
         return x.clone()
     trailing = tuple(s for i, s in enumerate(x.shape) if i != dim)
     plan = _Plan(group, sizes, dim, dst, trailing, x.dtype, x.device)
-    out: Tensor = _Gather.apply(x, plan, c.anchor(x, required))
-    return out
+    return c.apply(_Gather, x, plan, c.anchor(x, required))
 
 
-def gather(
-    x: Tensor, dst: int, group: ProcessGroup | None = None, *, dim: int = 0
-) -> Tensor:
+def gather(x: Tensor, dst: int, group: ProcessGroup | None = None, *, dim: int = 0) -> Tensor:
     """Concatenate every rank's ``x`` along ``dim``, in rank order, on group rank ``dst`` only.
 
     Ranks may pass different sizes along ``dim``; all other dims, the dtype and the device type
@@ -106,8 +101,12 @@ def gather(
     dim, problem = c.normalize_dim(dim, x.dim())
     problem = problem or c.rank_problem("dst", dst, g.size)
     calls = c.handshake(
-        "gather", desc, g, x,
-        [c.Arg("dst", dst if problem is None else -1), c.Arg("dim", dim)], problem,
+        "gather",
+        desc,
+        g,
+        x,
+        [c.Arg("dst", dst if problem is None else -1), c.Arg("dim", dim)],
+        problem,
     )
     c.check_shapes_except(desc, g, calls, dim)
     sizes = tuple(call.shape[dim] for call in calls)
@@ -151,9 +150,14 @@ def scatter(
             if problem is None and sizes is not None:
                 problem = _sizes_problem(sizes, x.shape[dim], g.size)
     calls = c.handshake(
-        "scatter", desc, g, mine,
-        [c.Arg("src", src if problem is None else -1),
-         c.Arg("uneven sizes", int(is_src and sizes is not None), same=False)],
+        "scatter",
+        desc,
+        g,
+        mine,
+        [
+            c.Arg("src", src if problem is None else -1),
+            c.Arg("uneven sizes", int(is_src and sizes is not None), same=False),
+        ],
         problem,
     )
     source = calls[src]
@@ -166,8 +170,7 @@ def scatter(
     device = x.device if is_src and x is not None else _comm.metadata_device(g)
     assert source.dtype is not None
     plan = _Plan(g, plan_sizes, dim, src, moved_shape[1:], source.dtype, device)
-    out: Tensor = _Scatter.apply(mine, plan, c.anchor(mine, source.requires_grad, device))
-    return out
+    return c.apply(_Scatter, mine, plan, c.anchor(mine, source.requires_grad, device))
 
 
 def _sizes_problem(sizes: list[int] | tuple[int, ...], total: int, parts: int) -> str | None:
@@ -179,8 +182,12 @@ def _sizes_problem(sizes: list[int] | tuple[int, ...], total: int, parts: int) -
 
 
 def _agree_sizes(
-    desc: str, group: Group, src: int, sizes: list[int] | tuple[int, ...] | None,
-    uneven: bool, total: int,
+    desc: str,
+    group: Group,
+    src: int,
+    sizes: list[int] | tuple[int, ...] | None,
+    uneven: bool,
+    total: int,
 ) -> tuple[int, ...]:
     """The part lengths: an even split, or ``src``'s ``sizes`` sent to every rank."""
     if uneven:

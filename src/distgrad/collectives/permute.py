@@ -42,7 +42,7 @@ class _Permute(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None]:
         plan: _Plan = ctx.plan
         check_backward_order("permute", plan.group, grad)
-        back = _Permute.apply(grad, plan.inverse(), None)
+        back = c.apply(_Permute, grad, plan.inverse(), None)
         return (back if ctx.needs_input_grad[0] else None), None, None
 
 
@@ -68,12 +68,15 @@ def permute(x: Tensor, perm: Sequence[int], group: ProcessGroup | None = None) -
     if sorted(perm) != list(range(g.size)) or not all(isinstance(p, int) for p in perm):
         problem = f"perm must be a permutation of the group ranks 0..{g.size - 1}, got {list(perm)}"
     calls = c.handshake(
-        "permute", desc, g, x, [c.Arg("perm (as a hash)", hash(perm) if problem is None else 0)],
+        "permute",
+        desc,
+        g,
+        x,
+        [c.Arg("perm (as a hash)", hash(perm) if problem is None else 0)],
         problem,
     )
     if g.size == 1:
         return x.clone()
     source = perm.index(g.rank)
     plan = _Plan(g, perm, calls[source].shape, tuple(x.shape))
-    out: Tensor = _Permute.apply(x, plan, c.anchor(x, c.needs_grad(calls)))
-    return out
+    return c.apply(_Permute, x, plan, c.anchor(x, c.needs_grad(calls)))

@@ -105,7 +105,9 @@ def run_on_ranks(
     if timeout <= 0:
         raise ValueError(f"run_on_ranks: timeout must be positive, got {timeout}")
     if init not in ("process_group", "rpc", "none"):
-        raise ValueError(f"run_on_ranks: init must be 'process_group', 'rpc' or 'none', got {init!r}")
+        raise ValueError(
+            f"run_on_ranks: init must be 'process_group', 'rpc' or 'none', got {init!r}"
+        )
     collective_timeout = timeout / 3 if collective_timeout is None else collective_timeout
     ctx = _forkserver_context()
     rendezvous_dir = tempfile.mkdtemp(prefix="distgrad-rdzv-")
@@ -174,7 +176,7 @@ def _collect(
     return outcomes
 
 
-def _receive(conn: multiprocessing.connection.Connection, rank: int, proc: Any) -> _Outcome:
+def _receive(conn: Any, rank: int, proc: Any) -> _Outcome:
     try:
         outcome: _Outcome = pickle.loads(conn.recv_bytes())
         return outcome
@@ -231,7 +233,9 @@ def _rank_main(
         try:
             payload = pickle.dumps(outcome)
         except Exception as exc:  # the function returned something that does not pickle
-            raise TypeError(f"the value returned on rank {spec.rank} does not pickle: {exc}") from exc
+            raise TypeError(
+                f"the value returned on rank {spec.rank} does not pickle: {exc}"
+            ) from exc
         _leave(spec)
     except BaseException as exc:
         when = time.time()
@@ -257,12 +261,14 @@ def _join(spec: _RankSpec) -> None:
 
     timeout = timedelta(seconds=spec.collective_timeout)
     if spec.init == "process_group":
-        store = dist.FileStore(os.path.join(spec.rendezvous_dir, "store"), spec.world_size)
+        store = dist.FileStore(  # type: ignore[attr-defined]
+            os.path.join(spec.rendezvous_dir, "store"), spec.world_size
+        )
         dist.init_process_group(
             spec.backend, store=store, rank=spec.rank, world_size=spec.world_size, timeout=timeout
         )
     elif spec.init == "rpc":
-        from distgrad.rpc import init_rpc
+        from distgrad.rpc import init_rpc  # type: ignore[attr-defined]
 
         init_rpc(
             f"worker{spec.rank}",
@@ -279,6 +285,6 @@ def _leave(spec: _RankSpec) -> None:
     if spec.init == "process_group" and dist.is_initialized():
         dist.destroy_process_group()
     elif spec.init == "rpc":
-        from distgrad.rpc import shutdown
+        from distgrad.rpc import shutdown  # type: ignore[attr-defined]
 
         shutdown()
