@@ -92,7 +92,7 @@ def replicated_cases(n: int) -> list[Case]:
     return out
 
 
-def check_case(rank: int, n: int, case: Case, dtype: torch.dtype) -> None:
+def check_case(rank: int, n: int, case: Case, dtype: torch.dtype, device: str = "cpu") -> None:
     xs = inputs(case, dtype)
     expected = outputs(case, xs)
     if case.kwargs.get("objective") == "replicated":
@@ -102,23 +102,27 @@ def check_case(rank: int, n: int, case: Case, dtype: torch.dtype) -> None:
     else:
         vs = cotangents(expected)
         grads = reference_grads(case, xs, vs)
-    x = xs[rank].clone().requires_grad_()
+    x = xs[rank].to(device).requires_grad_()
     passes_none = case.op == "scatter" and rank != case.kwargs["src"]
     out = getattr(dg, case.op)(None if passes_none else x, **case.kwargs_for(rank))
-    torch.testing.assert_close(out, expected[rank], **TOL[dtype], msg=lambda m: f"forward: {m}")
-    (out * vs[rank]).sum().backward()
+    torch.testing.assert_close(
+        out.cpu(), expected[rank], **TOL[dtype], msg=lambda m: f"forward: {m}"
+    )
+    (out * vs[rank].to(device)).sum().backward()
     if not passes_none:
-        got = x.grad if x.grad is not None else torch.zeros_like(x)
+        got = (x.grad if x.grad is not None else torch.zeros_like(x)).cpu()
         torch.testing.assert_close(got, grads[rank], **TOL[dtype], msg=lambda m: f"gradient: {m}")
 
 
-def check_all(rank: int, n: int, which: str, dtype_name: str) -> list[str]:
+def check_all(rank: int, n: int, which: str, dtype_name: str, device: str = "cpu") -> list[str]:
     dtype = getattr(torch, dtype_name)
+    if device == "cuda":
+        torch.cuda.set_device(rank)
     chosen = {"main": cases, "edge": edge_cases, "replicated": replicated_cases}[which](n)
     failures = []
     for case in chosen:
         try:
-            check_case(rank, n, case, dtype)
+            check_case(rank, n, case, dtype, device)
         except AssertionError as exc:
             failures.append(f"rank {rank}: {case}: {exc}")
     return failures
@@ -149,3 +153,14 @@ def test_prod_with_zeros_and_max_min_with_ties_match_torch(world_size: int) -> N
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_replicated_objective_counts_the_shared_loss_once(world_size: int) -> None:
     _assert_none_failed(run_on_ranks(check_all, world_size, args=("replicated", "float64")))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (NCCL)")
+def test_every_op_matches_single_process_autograd_on_nccl() -> None:
+    """The same sweep on NCCL with CUDA tensors, one rank per visible GPU."""
+    world_size = torch.cuda.device_count()
+    for which in ("main", "edge", "replicated"):
+        results = run_on_ranks(
+            check_all, world_size, args=(which, "float64", "cuda"), backend="nccl"
+        )
+        _assert_none_failed(results)
