@@ -139,6 +139,7 @@ def scatter(
     """
     g = resolve(group)
     desc = f"scatter(src={src}, dim={dim})"
+    requested_dim = dim  # every rank must pass the same dim; only the source can check it
     problem = c.rank_problem("src", src, g.size)
     is_src = problem is None and g.rank == src
     mine = x if is_src else None
@@ -156,13 +157,14 @@ def scatter(
         mine,
         [
             c.Arg("src", src if problem is None else -1),
+            c.Arg("dim", requested_dim),
             c.Arg("uneven sizes", int(is_src and sizes is not None), same=False),
         ],
         problem,
     )
     source = calls[src]
     dim = dim % len(source.shape)
-    plan_sizes = _agree_sizes(desc, g, src, sizes, bool(source.args[1]), source.shape[dim])
+    plan_sizes = _agree_sizes(desc, g, src, sizes, bool(source.args[2]), source.shape[dim])
     if g.size == 1:
         assert x is not None
         return x.clone()
