@@ -1,8 +1,8 @@
 """The metadata handshake that runs before every collective's data moves.
 
-Each rank describes its call in one small int64 vector (which op, how many distgrad calls it has
-made on this group, dtype, device type, requires_grad, shape, the op's integer arguments, and
-whether its own arguments are invalid); one ``all_gather`` of these vectors lets every rank check
+Each rank describes its call in one small int64 vector (which op, whether debug mode is on,
+dtype, device type, requires_grad, shape, the op's integer arguments, and whether its own
+arguments are invalid); one ``all_gather`` of these vectors lets every rank check
 every other rank's call. Bad input then becomes the same Python error on every rank instead of
 a hang, a process abort inside gloo, or a silently wrong result, and the ops learn the per-rank
 sizes they need (uneven all_gather, gather, all_to_all) from the same exchange.
@@ -33,7 +33,7 @@ __all__ = ["RankCall", "debug_enabled", "exchange", "require_same", "set_debug"]
 _MAGIC = 0x6469737467726164 & 0x7FFFFFFFFFFFFFFF  # "distgrad"
 _MAX_DIMS = 12
 _MAX_ARGS = 10
-_HEADER = 8  # magic, op, seq, problem, has_tensor, dtype, device, requires_grad
+_HEADER = 8  # magic, op, debug, problem, has_tensor, dtype, device, requires_grad
 _WIDTH = _HEADER + 1 + _MAX_DIMS + 1 + _MAX_ARGS
 
 _OPS = (
@@ -64,7 +64,6 @@ _DTYPES = (
 )
 _DEVICES = ("cpu", "cuda", "xpu", "mps", "meta")
 
-_calls_made: dict[Any, int] = {}
 _debug = os.environ.get("DISTGRAD_DEBUG", "") not in ("", "0")
 
 
@@ -91,7 +90,7 @@ class RankCall:
 
     rank: int
     op: str
-    seq: int
+    debug: bool
     has_tensor: bool
     dtype: torch.dtype | None
     device_type: str
@@ -100,12 +99,12 @@ class RankCall:
     args: tuple[int, ...]
 
 
-def _encode(op: str, seq: int, x: Tensor | None, args: Sequence[int], problem: bool) -> list[int]:
+def _encode(op: str, x: Tensor | None, args: Sequence[int], problem: bool) -> list[int]:
     has = x is not None
     dtype = _DTYPES.index(x.dtype) if x is not None and x.dtype in _DTYPES else -1
     device = _DEVICES.index(x.device.type) if x is not None and x.device.type in _DEVICES else -1
     shape = list(x.shape) if x is not None else []
-    vec = [_MAGIC, _OPS.index(op), seq, int(problem), int(has), dtype, device]
+    vec = [_MAGIC, _OPS.index(op), int(_debug), int(problem), int(has), dtype, device]
     vec.append(int(x is not None and x.requires_grad))
     vec += [len(shape), *shape, *[0] * (_MAX_DIMS - len(shape))]
     vec += [len(args), *args, *[0] * (_MAX_ARGS - len(args))]
@@ -121,7 +120,7 @@ def _decode(rank: int, vec: list[int]) -> RankCall:
     return RankCall(
         rank=rank,
         op=_OPS[vec[1]] if 0 <= vec[1] < len(_OPS) else f"<unknown op {vec[1]}>",
-        seq=vec[2],
+        debug=bool(vec[2]),
         has_tensor=bool(vec[4]),
         dtype=_DTYPES[vec[5]] if vec[5] >= 0 else None,
         device_type=_DEVICES[vec[6]] if vec[6] >= 0 else "other",
@@ -152,16 +151,24 @@ def exchange(
     if group.pg is None or group.size == 1:
         if problem is not None:
             raise CollectiveArgumentError(f"{desc} on rank {group.rank}: {problem}")
-        return [_decode(group.rank, _encode(op, 0, x, args, False))]
-    seq = _calls_made.get(group.pg, 0)
-    _calls_made[group.pg] = seq + 1
+        return [_decode(group.rank, _encode(op, x, args, False))]
     mine = torch.tensor(
-        _encode(op, seq, None if problem else x, args if not problem else (), problem is not None),
+        _encode(op, None if problem else x, args if not problem else (), problem is not None),
         dtype=torch.int64,
         device=_comm.metadata_device(group),
     )
     every = torch.empty(group.size * _WIDTH, dtype=torch.int64, device=mine.device)
-    dist.all_gather_into_tensor(every, mine, group=group.pg)
+    try:
+        dist.all_gather_into_tensor(every, mine, group=group.pg)
+    except RuntimeError as exc:
+        # Typically a peer exited, crashed or never made this call: say where we were waiting.
+        exc.args = (
+            f"{exc.args[0] if exc.args else exc}\n[distgrad] rank {group.rank} was waiting for "
+            f"its peers at the start of {desc}: a peer skipped this call, failed or exited early",
+            *exc.args[1:],
+        )
+        raise
+
     rows = every.view(group.size, _WIDTH).tolist()
     calls = [_decode(rank, row) for rank, row in enumerate(rows)]
     _check_same_call(desc, group, calls, rows)
@@ -189,9 +196,9 @@ def _check_same_call(desc: str, group: Group, calls: list[RankCall], rows: list[
         desc,
         group,
         calls,
-        "how many distgrad collectives they made on this group before",
-        lambda c: c.seq,
-        "a rank skipped or added a collective call",
+        "debug mode",
+        lambda c: c.debug,
+        "call distgrad.set_debug() with the same value on every rank",
     )
 
 
