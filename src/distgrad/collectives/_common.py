@@ -37,6 +37,7 @@ __all__ = [
     "needs_grad",
     "normalize_dim",
     "op_problem",
+    "split_sizes",
     "to_front",
 ]
 
@@ -70,6 +71,33 @@ def objective_problem(objective: str) -> str | None:
     if objective not in OBJECTIVES:
         return f"objective must be one of {sorted(OBJECTIVES)}, got {objective!r}"
     return None
+
+
+def split_sizes(
+    name: str, sizes: Sequence[int] | None, total: int, parts: int
+) -> tuple[tuple[int, ...], str | None]:
+    """The part lengths along dim: ``sizes`` checked, or an even split when it is None.
+
+    Returns the lengths (zeros when invalid, so callers can still join the handshake) and the
+    problem, if any, worded for the user; ``name`` is the argument's name in messages.
+    """
+    if sizes is None:
+        if total % parts:
+            return (0,) * parts, (
+                f"x has {total} entries along dim, which does not divide evenly over {parts} "
+                f"ranks; pass {name}=[...] to split unevenly"
+            )
+        return (total // parts,) * parts, None
+    sizes = tuple(sizes)
+    if len(sizes) != parts or any(not isinstance(s, int) or s < 0 for s in sizes):
+        return (
+            0,
+        ) * parts, f"{name} must be {parts} non-negative ints (one per rank), got {list(sizes)}"
+    if sum(sizes) != total:
+        return (
+            0,
+        ) * parts, f"{name} {list(sizes)} add up to {sum(sizes)}, but x has {total} along dim"
+    return sizes, None
 
 
 def rank_problem(name: str, value: int, size: int) -> str | None:

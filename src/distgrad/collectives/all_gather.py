@@ -186,7 +186,7 @@ def reduce_scatter(
     dim, problem = c.normalize_dim(dim, x.dim())
     problem = problem or c.op_problem(op)
     total = x.shape[dim] if x.dim() else 0
-    plan_sizes, size_problem = _split_sizes(sizes, total, g.size)
+    plan_sizes, size_problem = c.split_sizes("sizes", sizes, total, g.size)
     problem = problem or size_problem
     op_code = c.REDUCE_OPS.index(op) if op in c.REDUCE_OPS else 0
     calls = c.handshake(
@@ -205,21 +205,3 @@ def reduce_scatter(
     required = c.needs_grad(calls)
     c.check_grad_dtype(desc, op, x.dtype, required)
     return apply_reduce_scatter(x, g, plan_sizes, dim, op, required)
-
-
-def _split_sizes(
-    sizes: list[int] | tuple[int, ...] | None, total: int, parts: int
-) -> tuple[tuple[int, ...], str | None]:
-    if sizes is None:
-        if total % parts:
-            return (0,) * parts, (
-                f"x has {total} entries along dim, which does not divide evenly over {parts} "
-                "ranks; pass sizes=[...] to split unevenly"
-            )
-        return (total // parts,) * parts, None
-    sizes = tuple(sizes)
-    if len(sizes) != parts or any(not isinstance(s, int) or s < 0 for s in sizes):
-        return (0,) * parts, f"sizes must be {parts} non-negative ints (one per rank), got {sizes}"
-    if sum(sizes) != total:
-        return sizes, f"sizes {list(sizes)} add up to {sum(sizes)}, but x has {total} along dim"
-    return sizes, None

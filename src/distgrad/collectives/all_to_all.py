@@ -88,7 +88,7 @@ def all_to_all(
     desc = f"all_to_all(dim={dim})"
     dim, problem = c.normalize_dim(dim, x.dim())
     total = x.shape[dim] if x.dim() else 0
-    sent, size_problem = _input_sizes(input_sizes, total, g.size)
+    sent, size_problem = c.split_sizes("input_sizes", input_sizes, total, g.size)
     problem = problem or size_problem
     if problem is None and output_sizes is not None:
         problem = _output_sizes_problem(output_sizes, g.size)
@@ -96,26 +96,6 @@ def all_to_all(
     c.check_shapes_except(desc, g, calls, dim)
     received = _exchange_sizes(desc, g, sent, output_sizes)
     return apply_all_to_all(x, g, sent, received, dim, c.needs_grad(calls))
-
-
-def _input_sizes(
-    sizes: list[int] | tuple[int, ...] | None, total: int, parts: int
-) -> tuple[tuple[int, ...], str | None]:
-    if sizes is None:
-        if total % parts:
-            return (0,) * parts, (
-                f"x has {total} entries along dim, which does not divide evenly over {parts} "
-                "ranks; pass input_sizes=[...]"
-            )
-        return (total // parts,) * parts, None
-    sizes = tuple(sizes)
-    if len(sizes) != parts or any(not isinstance(s, int) or s < 0 for s in sizes):
-        return (0,) * parts, f"input_sizes must be {parts} non-negative ints, got {list(sizes)}"
-    if sum(sizes) != total:
-        return (0,) * parts, (
-            f"input_sizes {list(sizes)} add up to {sum(sizes)}, but x has {total} along dim"
-        )
-    return sizes, None
 
 
 def _output_sizes_problem(sizes: list[int] | tuple[int, ...], parts: int) -> str | None:

@@ -149,7 +149,7 @@ def scatter(
         else:
             dim, problem = c.normalize_dim(dim, x.dim())
             if problem is None and sizes is not None:
-                problem = _sizes_problem(sizes, x.shape[dim], g.size)
+                problem = c.split_sizes("sizes", sizes, x.shape[dim], g.size)[1]
     calls = c.handshake(
         "scatter",
         desc,
@@ -173,14 +173,6 @@ def scatter(
     assert source.dtype is not None
     plan = _Plan(g, plan_sizes, dim, src, moved_shape[1:], source.dtype, device)
     return c.apply(_Scatter, mine, plan, c.anchor(mine, source.requires_grad, device))
-
-
-def _sizes_problem(sizes: list[int] | tuple[int, ...], total: int, parts: int) -> str | None:
-    if len(sizes) != parts or any(not isinstance(s, int) or s < 0 for s in sizes):
-        return f"sizes must be {parts} non-negative ints (one per rank), got {list(sizes)}"
-    if sum(sizes) != total:
-        return f"sizes {list(sizes)} add up to {sum(sizes)}, but x has {total} along dim"
-    return None
 
 
 def _agree_sizes(
