@@ -46,6 +46,12 @@ _TORCH_OPS = {
 }
 
 
+# torch 2.13 renamed the tensor forms of all_gather and reduce_scatter (the old names warn);
+# torch >= 2.3 without the new names keeps working through the old ones.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def metadata_device(group: Group) -> torch.device:
     """Where small bookkeeping tensors must live for this group's backend."""
     if "nccl" in group.backend:
@@ -81,7 +87,7 @@ def all_gather(x: Tensor, sizes: Sequence[int], group: Group) -> Tensor:
     width = max(sizes)
     send = _pad_rows(x, width)
     out = send.new_empty((width * group.size, *x.shape[1:]))
-    dist.all_gather_into_tensor(out, send, group=group.pg)
+    _all_gather_single(out, send, group=group.pg)
     return _trim_cat(out, sizes)
 
 
@@ -92,7 +98,7 @@ def reduce_scatter(x: Tensor, sizes: Sequence[int], group: Group) -> Tensor:
     mine = sizes[group.rank]
     if _is_nccl(group) and all(s == mine for s in sizes):
         out = x.new_empty((mine, *x.shape[1:]))
-        dist.reduce_scatter_tensor(out, x.contiguous(), group=group.pg)
+        _reduce_scatter_single(out, x.contiguous(), group=group.pg)
         return out
     slices = all_to_all(x, sizes, [mine] * group.size, group)
     # Sum in rank order, the same order on every backend and run: results are reproducible.

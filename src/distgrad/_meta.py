@@ -157,9 +157,8 @@ def exchange(
         dtype=torch.int64,
         device=_comm.metadata_device(group),
     )
-    every = torch.empty(group.size * _WIDTH, dtype=torch.int64, device=mine.device)
     try:
-        dist.all_gather_into_tensor(every, mine, group=group.pg)
+        every = _comm.all_gather(mine.view(1, _WIDTH), [1] * group.size, group)
     except RuntimeError as exc:
         # Typically a peer exited, crashed or never made this call: say where we were waiting.
         exc.args = (
@@ -236,12 +235,16 @@ def require_same(
     what: str,
     key: Callable[[RankCall], object],
     rule: str,
+    shown: Callable[[RankCall], object] | None = None,
 ) -> None:
-    """Raise on every rank unless ``key`` gives the same value for every rank's call."""
+    """Raise on every rank unless ``key`` gives the same value for every rank's call.
+
+    The message lists each rank's ``shown`` value (default: ``key``'s).
+    """
     first = key(calls[0])
     if all(key(call) == first for call in calls[1:]):
         return
+    listing = describe_ranks(calls, shown or key)
     raise CollectiveMismatchError(
-        f"{desc} on rank {group.rank}: ranks disagree on {what} ({describe_ranks(calls, key)}); "
-        f"{rule}"
+        f"{desc} on rank {group.rank}: ranks disagree on {what} ({listing}); {rule}"
     )

@@ -190,6 +190,7 @@ def check_shapes_except(desc: str, group: Group, calls: Sequence[RankCall], dim:
         f"the shape outside dim {dim}",
         lambda c: tuple(s for i, s in enumerate(c.shape) if i != dim),
         f"all dims except dim {dim} must match",
+        shown=lambda c: c.shape,
     )
 
 

@@ -1,0 +1,229 @@
+"""Bad input becomes the same clear error on every rank, quickly, never a hang or an abort.
+
+Each worker makes one bad call per case, catches the error and returns its type and message;
+the parent asserts that *every* rank raised the expected type with a message naming the op, the
+rank(s) and what differed, and that the whole group finished well inside its timeout. The group
+stays usable after each error (the cases run one after another in the same processes), which
+shows that no rank was left inside a collective.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import distgrad as dg
+from distgrad.errors import CollectiveArgumentError, CollectiveMismatchError, RankFailedError
+from distgrad.testing import run_on_ranks
+
+Case = Callable[[int, int], Any]
+
+
+def _dtype_differs(rank: int, n: int) -> Any:
+    return dg.all_reduce(torch.ones(3, dtype=torch.float32 if rank == 0 else torch.float64))
+
+
+def _gathered_dims_differ(rank: int, n: int) -> Any:
+    return dg.all_gather(torch.ones(2, 4 if rank == 0 else 5))
+
+
+def _shape_differs(rank: int, n: int) -> Any:
+    return dg.all_reduce(torch.ones(3 + rank))
+
+
+def _ndim_differs(rank: int, n: int) -> Any:
+    return dg.all_gather(torch.ones((2, 3) if rank == 0 else (2, 3, 1)))
+
+
+def _unknown_op(rank: int, n: int) -> Any:
+    return dg.all_reduce(torch.ones(3), op="mean" if rank == 1 else "sum")  # type: ignore[arg-type]
+
+
+def _ops_differ(rank: int, n: int) -> Any:
+    return dg.all_reduce(torch.ones(3), op="max" if rank == 1 else "sum")
+
+
+def _unknown_objective(rank: int, n: int) -> Any:
+    return dg.all_gather(torch.ones(3), objective="once")  # type: ignore[arg-type]
+
+
+def _reduce_scatter_sizes_do_not_add_up(rank: int, n: int) -> Any:
+    return dg.reduce_scatter(torch.ones(6, 2), sizes=[1, 2] if rank == 1 else [3, 3])
+
+
+def _reduce_scatter_uneven_without_sizes(rank: int, n: int) -> Any:
+    return dg.reduce_scatter(torch.ones(5, 2))
+
+
+def _all_to_all_input_sizes_do_not_add_up(rank: int, n: int) -> Any:
+    return dg.all_to_all(torch.ones(4), input_sizes=[2, 3] if rank == 0 else [2, 2])
+
+
+def _all_to_all_output_sizes_disagree(rank: int, n: int) -> Any:
+    return dg.all_to_all(torch.ones(4), output_sizes=[2, 1] if rank == 1 else [2, 2])
+
+
+def _scatter_sizes_do_not_add_up(rank: int, n: int) -> Any:
+    x = torch.ones(4, 2) if rank == 0 else None
+    return dg.scatter(x, 0, sizes=[1, 1])
+
+
+def _src_out_of_range(rank: int, n: int) -> Any:
+    return dg.broadcast(torch.ones(2), src=n)
+
+
+def _dst_differs(rank: int, n: int) -> Any:
+    return dg.reduce(torch.ones(2), dst=rank)
+
+
+def _perm_not_a_permutation(rank: int, n: int) -> Any:
+    return dg.permute(torch.ones(2), [0, 0] if rank == 0 else [1, 0])
+
+
+def _perm_differs(rank: int, n: int) -> Any:
+    return dg.permute(torch.ones(2), [0, 1] if rank == 0 else [1, 0])
+
+
+def _different_collectives(rank: int, n: int) -> Any:
+    x = torch.ones(2)
+    return dg.all_reduce(x) if rank == 0 else dg.broadcast(x, 0)
+
+
+def _grad_mode_differs(rank: int, n: int) -> Any:
+    x = torch.ones(2, requires_grad=True)
+    with torch.set_grad_enabled(rank == 0):
+        return dg.all_reduce(x)
+
+
+def _zero_dim_all_gather(rank: int, n: int) -> Any:
+    return dg.all_gather(torch.tensor(1.0))
+
+
+def _dim_out_of_range(rank: int, n: int) -> Any:
+    return dg.gather(torch.ones(2, 2), 0, dim=2)
+
+
+def _scatter_source_passes_none(rank: int, n: int) -> Any:
+    return dg.scatter(None, 0)
+
+
+# name -> (the bad call, the expected error type, phrases every rank's message must contain)
+CASES: dict[str, tuple[Case, type[Exception], tuple[str, ...]]] = {
+    "dtype": (_dtype_differs, CollectiveMismatchError, ("all_reduce", "dtype", "rank 0: torch.float32", "rank 1: torch.float64")),
+    "gathered dims": (_gathered_dims_differ, CollectiveMismatchError, ("all_gather(dim=0)", "shape outside dim 0", "rank 0: (2, 4)", "rank 1: (2, 5)", "all dims except dim 0 must match")),
+    "shape": (_shape_differs, CollectiveMismatchError, ("all_reduce", "shape", "rank 0: (3,)", "rank 1: (4,)")),
+    "ndim": (_ndim_differs, CollectiveMismatchError, ("all_gather", "number of dims")),
+    "unknown op": (_unknown_op, CollectiveArgumentError, ("all_reduce", "rank 1: op must be one of", "'mean'")),
+    "ops differ": (_ops_differ, CollectiveMismatchError, ("ranks disagree on op", "rank 0: sum", "rank 1: max")),
+    "objective": (_unknown_objective, CollectiveArgumentError, ("objective must be one of", "'once'")),
+    "reduce_scatter sizes": (_reduce_scatter_sizes_do_not_add_up, CollectiveArgumentError, ("reduce_scatter", "rank 1: sizes [1, 2] add up to 3, but x has 6")),
+    "reduce_scatter uneven": (_reduce_scatter_uneven_without_sizes, CollectiveArgumentError, ("does not divide evenly over 2 ranks", "sizes=[...]")),
+    "all_to_all input_sizes": (_all_to_all_input_sizes_do_not_add_up, CollectiveArgumentError, ("all_to_all", "rank 0: input_sizes [2, 3] add up to 5, but x has 4")),
+    "all_to_all output_sizes": (_all_to_all_output_sizes_disagree, CollectiveMismatchError, ("all_to_all", "rank 1 expects 1 entries from rank 1", "sends 2")),
+    "scatter sizes": (_scatter_sizes_do_not_add_up, CollectiveArgumentError, ("scatter", "rank 0: sizes [1, 1] add up to 2, but x has 4")),
+    "src range": (_src_out_of_range, CollectiveArgumentError, ("broadcast", "src must be a group rank in [0, 2), got 2")),
+    "dst differs": (_dst_differs, CollectiveMismatchError, ("reduce", "ranks disagree on dst", "rank 0: 0", "rank 1: 1")),
+    "perm": (_perm_not_a_permutation, CollectiveArgumentError, ("permute", "rank 0: perm must be a permutation", "[0, 0]")),
+    "perm differs": (_perm_differs, CollectiveMismatchError, ("permute", "ranks disagree on perm")),
+    "collective": (_different_collectives, CollectiveMismatchError, ("which collective", "rank 0: all_reduce", "rank 1: broadcast")),
+    "grad mode": (_grad_mode_differs, CollectiveMismatchError, ("grad mode", "rank 0: True", "rank 1: False")),
+    "0-dim": (_zero_dim_all_gather, CollectiveArgumentError, ("all_gather", "at least 1 dim")),
+    "dim range": (_dim_out_of_range, CollectiveArgumentError, ("gather", "dim 2 is out of range")),
+    "scatter None": (_scatter_source_passes_none, CollectiveArgumentError, ("scatter", "rank 0: the source rank must pass the tensor")),
+}  # fmt: skip
+
+
+def _make_bad_calls(rank: int, world_size: int) -> dict[str, tuple[str, str]]:
+    seen = {}
+    for name, (call, _, _) in CASES.items():
+        try:
+            call(rank, world_size)
+        except Exception as exc:
+            seen[name] = (type(exc).__name__, f"{exc}")
+        else:
+            seen[name] = ("no error", "")
+        # The group still works after the error: nobody was left inside a collective.
+        assert dg.all_reduce(torch.ones(1)).item() == world_size
+    return seen
+
+
+def test_bad_input_raises_the_same_clear_error_on_every_rank() -> None:
+    start = time.monotonic()
+    per_rank = run_on_ranks(_make_bad_calls, 2, timeout=30)
+    elapsed = time.monotonic() - start
+    failures = []
+    for name, (_, expected_type, phrases) in CASES.items():
+        for rank, seen in enumerate(per_rank):
+            kind, message = seen[name]
+            if kind != expected_type.__name__:
+                failures.append(f"{name}: rank {rank} raised {kind}, not {expected_type.__name__}")
+                continue
+            missing = [p for p in phrases if p not in message]
+            if missing:
+                failures.append(f"{name}: rank {rank}'s message lacks {missing}: {message}")
+            if f"on rank {rank}" not in message:
+                failures.append(f"{name}: rank {rank}'s message does not name its rank: {message}")
+    assert not failures, "\n".join(failures)
+    assert elapsed < 15, f"the bad calls took {elapsed:.1f}s; errors must come at once"
+
+
+def _integer_tensor_with_gradient_peers(rank: int, world_size: int) -> str:
+    # An integer tensor cannot require grad; when a float peer does, the dtypes differ.
+    x = torch.ones(2, requires_grad=True) if rank == 0 else torch.ones(2, dtype=torch.int64)
+    with pytest.raises(CollectiveMismatchError, match="dtype") as info:
+        dg.all_gather(x)
+    return str(info.value)
+
+
+def test_integer_tensor_beside_a_float_tensor_that_requires_grad_raises_on_every_rank() -> None:
+    messages = run_on_ranks(_integer_tensor_with_gradient_peers, 2)
+    assert all("torch.int64" in m and "torch.float32" in m for m in messages)
+
+
+def _raise_on_rank_one(rank: int, world_size: int) -> None:
+    if rank == 1:
+        raise ValueError("rank one's own bug")
+    dg.all_reduce(torch.ones(2))
+
+
+def test_a_failing_rank_is_reported_first_and_its_peers_end_fast() -> None:
+    start = time.monotonic()
+    with pytest.raises(RankFailedError) as info:
+        run_on_ranks(_raise_on_rank_one, 2, timeout=30)
+    message = str(info.value)
+    assert time.monotonic() - start < 10
+    assert message.index("--- rank 1: ValueError: rank one's own bug") < message.index("--- rank 0")
+
+
+def _skip_a_collective(rank: int, world_size: int) -> None:
+    dg.all_reduce(torch.ones(2))
+    if rank == 0:
+        dg.all_reduce(torch.ones(2))  # rank 1 never makes this call and leaves
+
+
+def test_a_rank_that_skips_a_collective_makes_its_peer_fail_with_where_it_waited() -> None:
+    start = time.monotonic()
+    with pytest.raises(RankFailedError) as info:
+        run_on_ranks(_skip_a_collective, 2, timeout=30)
+    assert time.monotonic() - start < 15
+    assert "rank 0 was waiting for its peers at the start of all_reduce(op='sum')" in str(
+        info.value
+    )
+
+
+def _sub_group_member_check(rank: int, world_size: int) -> str:
+    group = dist.new_group([0, 1])
+    if rank != 2:
+        return "member"
+    with pytest.raises(ValueError, match="not a member of the group"):
+        dg.all_reduce(torch.ones(1), group=group)
+    return "raised"
+
+
+def test_calling_a_collective_outside_the_group_raises() -> None:
+    assert run_on_ranks(_sub_group_member_check, 3)[2] == "raised"
