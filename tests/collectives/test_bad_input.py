@@ -114,28 +114,102 @@ def _scatter_source_passes_none(rank: int, n: int) -> Any:
 
 # name -> (the bad call, the expected error type, phrases every rank's message must contain)
 CASES: dict[str, tuple[Case, type[Exception], tuple[str, ...]]] = {
-    "dtype": (_dtype_differs, CollectiveMismatchError, ("all_reduce", "dtype", "rank 0: torch.float32", "rank 1: torch.float64")),
-    "gathered dims": (_gathered_dims_differ, CollectiveMismatchError, ("all_gather(dim=0)", "shape outside dim 0", "rank 0: (2, 4)", "rank 1: (2, 5)", "all dims except dim 0 must match")),
-    "shape": (_shape_differs, CollectiveMismatchError, ("all_reduce", "shape", "rank 0: (3,)", "rank 1: (4,)")),
+    "dtype": (
+        _dtype_differs,
+        CollectiveMismatchError,
+        ("all_reduce", "dtype", "rank 0: torch.float32", "rank 1: torch.float64"),
+    ),
+    "gathered dims": (
+        _gathered_dims_differ,
+        CollectiveMismatchError,
+        (
+            "all_gather(dim=0)",
+            "shape outside dim 0",
+            "rank 0: (2, 4)",
+            "rank 1: (2, 5)",
+            "all dims except dim 0 must match",
+        ),
+    ),
+    "shape": (
+        _shape_differs,
+        CollectiveMismatchError,
+        ("all_reduce", "shape", "rank 0: (3,)", "rank 1: (4,)"),
+    ),
     "ndim": (_ndim_differs, CollectiveMismatchError, ("all_gather", "number of dims")),
-    "unknown op": (_unknown_op, CollectiveArgumentError, ("all_reduce", "rank 1: op must be one of", "'mean'")),
-    "ops differ": (_ops_differ, CollectiveMismatchError, ("ranks disagree on op", "rank 0: sum", "rank 1: max")),
-    "objective": (_unknown_objective, CollectiveArgumentError, ("objective must be one of", "'once'")),
-    "reduce_scatter sizes": (_reduce_scatter_sizes_do_not_add_up, CollectiveArgumentError, ("reduce_scatter", "rank 1: sizes [1, 2] add up to 3, but x has 6")),
-    "reduce_scatter uneven": (_reduce_scatter_uneven_without_sizes, CollectiveArgumentError, ("does not divide evenly over 2 ranks", "sizes=[...]")),
-    "all_to_all input_sizes": (_all_to_all_input_sizes_do_not_add_up, CollectiveArgumentError, ("all_to_all", "rank 0: input_sizes [2, 3] add up to 5, but x has 4")),
-    "all_to_all output_sizes": (_all_to_all_output_sizes_disagree, CollectiveMismatchError, ("all_to_all", "rank 1 expects 1 entries from rank 1", "sends 2")),
-    "scatter sizes": (_scatter_sizes_do_not_add_up, CollectiveArgumentError, ("scatter", "rank 0: sizes [1, 1] add up to 2, but x has 4")),
-    "src range": (_src_out_of_range, CollectiveArgumentError, ("broadcast", "src must be a group rank in [0, 2), got 2")),
-    "dst differs": (_dst_differs, CollectiveMismatchError, ("reduce", "ranks disagree on dst", "rank 0: 0", "rank 1: 1")),
-    "perm": (_perm_not_a_permutation, CollectiveArgumentError, ("permute", "rank 0: perm must be a permutation", "[0, 0]")),
+    "unknown op": (
+        _unknown_op,
+        CollectiveArgumentError,
+        ("all_reduce", "rank 1: op must be one of", "'mean'"),
+    ),
+    "ops differ": (
+        _ops_differ,
+        CollectiveMismatchError,
+        ("ranks disagree on op", "rank 0: sum", "rank 1: max"),
+    ),
+    "objective": (
+        _unknown_objective,
+        CollectiveArgumentError,
+        ("objective must be one of", "'once'"),
+    ),
+    "reduce_scatter sizes": (
+        _reduce_scatter_sizes_do_not_add_up,
+        CollectiveArgumentError,
+        ("reduce_scatter", "rank 1: sizes [1, 2] add up to 3, but x has 6"),
+    ),
+    "reduce_scatter uneven": (
+        _reduce_scatter_uneven_without_sizes,
+        CollectiveArgumentError,
+        ("does not divide evenly over 2 ranks", "sizes=[...]"),
+    ),
+    "all_to_all input_sizes": (
+        _all_to_all_input_sizes_do_not_add_up,
+        CollectiveArgumentError,
+        ("all_to_all", "rank 0: input_sizes [2, 3] add up to 5, but x has 4"),
+    ),
+    "all_to_all output_sizes": (
+        _all_to_all_output_sizes_disagree,
+        CollectiveMismatchError,
+        ("all_to_all", "rank 1 expects 1 entries from rank 1", "sends 2"),
+    ),
+    "scatter sizes": (
+        _scatter_sizes_do_not_add_up,
+        CollectiveArgumentError,
+        ("scatter", "rank 0: sizes [1, 1] add up to 2, but x has 4"),
+    ),
+    "src range": (
+        _src_out_of_range,
+        CollectiveArgumentError,
+        ("broadcast", "src must be a group rank in [0, 2), got 2"),
+    ),
+    "dst differs": (
+        _dst_differs,
+        CollectiveMismatchError,
+        ("reduce", "ranks disagree on dst", "rank 0: 0", "rank 1: 1"),
+    ),
+    "perm": (
+        _perm_not_a_permutation,
+        CollectiveArgumentError,
+        ("permute", "rank 0: perm must be a permutation", "[0, 0]"),
+    ),
     "perm differs": (_perm_differs, CollectiveMismatchError, ("permute", "ranks disagree on perm")),
-    "collective": (_different_collectives, CollectiveMismatchError, ("which collective", "rank 0: all_reduce", "rank 1: broadcast")),
-    "grad mode": (_grad_mode_differs, CollectiveMismatchError, ("grad mode", "rank 0: True", "rank 1: False")),
+    "collective": (
+        _different_collectives,
+        CollectiveMismatchError,
+        ("which collective", "rank 0: all_reduce", "rank 1: broadcast"),
+    ),
+    "grad mode": (
+        _grad_mode_differs,
+        CollectiveMismatchError,
+        ("grad mode", "rank 0: True", "rank 1: False"),
+    ),
     "0-dim": (_zero_dim_all_gather, CollectiveArgumentError, ("all_gather", "at least 1 dim")),
     "dim range": (_dim_out_of_range, CollectiveArgumentError, ("gather", "dim 2 is out of range")),
-    "scatter None": (_scatter_source_passes_none, CollectiveArgumentError, ("scatter", "rank 0: the source rank must pass the tensor")),
-}  # fmt: skip
+    "scatter None": (
+        _scatter_source_passes_none,
+        CollectiveArgumentError,
+        ("scatter", "rank 0: the source rank must pass the tensor"),
+    ),
+}
 
 
 def _make_bad_calls(rank: int, world_size: int) -> dict[str, tuple[str, str]]:
