@@ -12,6 +12,8 @@ reference); float32 to 1e-5 relative for the same reason.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -92,7 +94,10 @@ def replicated_cases(n: int) -> list[Case]:
     return out
 
 
-def check_case(rank: int, n: int, case: Case, dtype: torch.dtype, device: str = "cpu") -> None:
+def check_case(
+    rank: int, n: int, case: Case, dtype: torch.dtype, device: str = "cpu", group: Any = None
+) -> None:
+    """Run ``case`` as group rank ``rank`` of ``n`` and compare with the reference."""
     xs = inputs(case, dtype)
     expected = outputs(case, xs)
     if case.kwargs.get("objective") == "replicated":
@@ -104,7 +109,7 @@ def check_case(rank: int, n: int, case: Case, dtype: torch.dtype, device: str = 
         grads = reference_grads(case, xs, vs)
     x = xs[rank].to(device).requires_grad_()
     passes_none = case.op == "scatter" and rank != case.kwargs["src"]
-    out = getattr(dg, case.op)(None if passes_none else x, **case.kwargs_for(rank))
+    out = getattr(dg, case.op)(None if passes_none else x, group=group, **case.kwargs_for(rank))
     torch.testing.assert_close(
         out.cpu(), expected[rank], **TOL[dtype], msg=lambda m: f"forward: {m}"
     )
