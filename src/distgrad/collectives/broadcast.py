@@ -44,8 +44,9 @@ class _Broadcast(torch.autograd.Function):
             check_replicated("broadcast", plan.group, grad)
             back = grad if plan.group.rank == plan.root else None
         else:
-            summed = c.apply(_ReduceSum, grad, _Plan(plan.group, plan.root), None)
-            back = summed if plan.group.rank == plan.root else None
+            # Non-source ranks get _ReduceSum's constant zeros: the right value, and connected to
+            # the graph, so a double backward takes them through the broadcast it starts.
+            back = c.apply(_ReduceSum, grad, _Plan(plan.group, plan.root), None)
         return (back if ctx.needs_input_grad[0] else None), None, None
 
 
@@ -79,7 +80,7 @@ def broadcast(
 
     Gradient with ``objective="sum"`` (the objective is the sum over ranks of each rank's loss):
     ``reduce(grad, dst=src, op="sum")``: the source's ``x`` gets the sum of every rank's incoming
-    gradient; the other ranks' ``x`` get none (their values are not used). With
+    gradient; the other ranks' ``x`` get zeros (their values are not used). With
     ``objective="replicated"`` (every rank computes the same loss, counted once) the source keeps
     its own incoming gradient, with no communication.
 

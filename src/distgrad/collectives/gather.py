@@ -46,8 +46,9 @@ class _Gather(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None]:
         plan: _Plan = ctx.plan
         check_backward_order("gather", plan.group)
-        is_root = plan.group.rank == plan.root
-        back = c.apply(_Scatter, grad if is_root else None, plan, None)
+        # Other ranks' (empty) gradient is not read by the scatter, but passing it keeps their
+        # result connected to it, so a double backward takes every rank through the gather.
+        back = c.apply(_Scatter, grad, plan, None)
         return (back if ctx.needs_input_grad[0] else None), None, None
 
 
