@@ -197,7 +197,10 @@ def _receive(conn: Any, rank: int, proc: Any) -> _Outcome:
             rank=rank,
             ok=False,
             when=time.time(),
-            summary=f"died without reporting (exit code {code}); a hang dump, if any, is above",
+            summary=(
+                f"died without reporting (exit code {code}); if it hung, it printed its stack "
+                "to stderr just before"
+            ),
         )
 
 

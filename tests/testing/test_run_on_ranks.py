@@ -1,0 +1,111 @@
+"""The harness itself: results by rank, root cause first, nothing left running, nothing hangs."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from distgrad.errors import RankFailedError
+from distgrad.testing import run_on_ranks
+
+
+def _rank_and_sum(rank: int, world_size: int, offset: int) -> tuple[int, float]:
+    t = torch.tensor([float(rank + offset)])
+    dist.all_reduce(t)
+    return rank, t.item()
+
+
+def test_returns_each_ranks_value_in_rank_order() -> None:
+    assert run_on_ranks(_rank_and_sum, 3, args=(10,)) == [(0, 33.0), (1, 33.0), (2, 33.0)]
+
+
+def _fail_late_on_rank_0_early_on_rank_2(rank: int, world_size: int) -> None:
+    if rank == 2:
+        raise KeyError("the root cause")
+    time.sleep(0.3)
+    if rank == 0:
+        raise RuntimeError("a consequence")
+    dist.barrier()
+
+
+def test_the_earliest_failure_is_reported_first_with_its_traceback() -> None:
+    with pytest.raises(RankFailedError) as info:
+        run_on_ranks(_fail_late_on_rank_0_early_on_rank_2, 3, timeout=20)
+    message = str(info.value)
+    assert message.splitlines()[1].startswith("--- rank 2: KeyError: 'the root cause'")
+    assert "in _fail_late_on_rank_0_early_on_rank_2" in message  # the traceback came along
+
+
+def _write_pid_then_hang(rank: int, world_size: int, folder: str) -> None:
+    with open(os.path.join(folder, f"pid{rank}"), "w") as f:
+        f.write(str(os.getpid()))
+    if rank == 1:
+        time.sleep(3600)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie still answers kill(0); it is reaped when its state says so.
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split()[2] != "Z"
+
+
+def test_a_hung_rank_times_out_and_no_process_is_left(tmp_path: object) -> None:
+    folder = str(tmp_path)
+    start = time.monotonic()
+    # The inner rung fires first: the hung rank dumps its stack and exits before the deadline.
+    with pytest.raises(RankFailedError, match="rank 1: (died without reporting|timed out)"):
+        run_on_ranks(_write_pid_then_hang, 2, args=(folder,), timeout=4)
+    assert time.monotonic() - start < 10
+    pids = []
+    for rank in range(2):
+        with open(os.path.join(folder, f"pid{rank}")) as f:
+            pids.append(int(f.read()))
+    assert not any(_alive(pid) for pid in pids)
+
+
+def _peer_waits_in_a_collective(rank: int, world_size: int) -> None:
+    if rank == 0:
+        raise ValueError("rank 0 gives up")
+    dist.all_reduce(torch.ones(1))  # would wait for rank 0 forever without the ladder
+
+
+def test_a_peer_waiting_in_a_collective_is_ended_within_the_grace_period() -> None:
+    start = time.monotonic()
+    with pytest.raises(RankFailedError, match="rank 0 gives up"):
+        run_on_ranks(_peer_waits_in_a_collective, 2, timeout=60)
+    assert time.monotonic() - start < 8
+
+
+def _return_a_lambda(rank: int, world_size: int) -> object:
+    return lambda: rank
+
+
+def test_an_unpicklable_result_is_a_clear_error() -> None:
+    with pytest.raises(RankFailedError, match="does not pickle"):
+        run_on_ranks(_return_a_lambda, 1)
+
+
+def _is_initialized(rank: int, world_size: int) -> bool:
+    return dist.is_initialized()
+
+
+def test_init_none_starts_processes_without_a_group() -> None:
+    assert run_on_ranks(_is_initialized, 2, init="none") == [False, False]
+    assert run_on_ranks(_is_initialized, 1) == [True]
+
+
+def test_bad_arguments_are_rejected_before_starting_anything() -> None:
+    with pytest.raises(ValueError, match="world_size must be at least 1"):
+        run_on_ranks(_is_initialized, 0)
+    with pytest.raises(ValueError, match="timeout must be positive"):
+        run_on_ranks(_is_initialized, 1, timeout=0)
+    with pytest.raises(ValueError, match="init must be"):
+        run_on_ranks(_is_initialized, 1, init="mpi")  # type: ignore[arg-type]
