@@ -61,7 +61,7 @@ def test_a_hung_rank_times_out_and_no_process_is_left(tmp_path: object) -> None:
     folder = str(tmp_path)
     start = time.monotonic()
     # The inner rung fires first: the hung rank dumps its stack and exits before the deadline.
-    with pytest.raises(RankFailedError, match="rank 1: (died without reporting|timed out)"):
+    with pytest.raises(RankFailedError, match=r"rank 1: (died without reporting|timed out)"):
         run_on_ranks(_write_pid_then_hang, 2, args=(folder,), timeout=4)
     assert time.monotonic() - start < 10
     pids = []
