@@ -1,0 +1,1 @@
+"""The `distgrad demo` command's pieces (private)."""

@@ -1,0 +1,223 @@
+"""Check distributed code against the same computation in one process on the whole batch.
+
+The user writes one function for one rank, ``fn(*shards)`` or ``fn(model, *shards)``, returning
+that rank's scalar loss. It may use distgrad collectives (which act on a group of one process
+when no process group exists, so the same function is its own single-process reference), a
+model, any loss. The checker runs it
+
+1. once, in this process, on the whole batch: the reference loss and gradients;
+2. on ``world_size`` local processes, each on its shard of every input, each calling
+   ``loss.backward()``,
+
+and compares the losses, each rank's input gradients with its slice of the reference, and the
+parameter gradients combined over ranks the way training combines them (averaged, as
+DistributedDataParallel does, or summed).
+
+What "equal" means: the ranks together differentiate ``J = sum_r loss_r`` (docs/semantics.md).
+Training matches single-process training when the combined parameter gradients equal
+``dL/dθ``: with averaging that needs ``dJ/dx = N dL/dx`` for every input row ``x`` (each rank
+returns the global loss, or its local mean over even shards), with summing ``dJ/dx = dL/dx``
+(each rank returns its share). The checker compares against exactly that and, on a mismatch,
+reads the losses and gradients for the likely cause (``_report``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from distgrad.testing._report import Combine, GradReport, build_report
+from distgrad.testing.launch import run_on_ranks
+
+__all__ = ["check_against_single_process"]
+
+Inputs = Mapping[str, Tensor] | Sequence[Tensor]
+
+
+@dataclass(frozen=True)
+class _Job:
+    """Everything a rank needs, pickled to it."""
+
+    fn: Callable[..., Tensor]
+    names: tuple[str, ...]
+    shards: tuple[tuple[Tensor, ...], ...]  # shards[rank][i]: rank's slice of input i
+    make_model: Callable[[], nn.Module] | None
+    model_state: dict[str, Tensor] | None
+    backward_ranks: tuple[int, ...] | None  # None: every rank back-propagates its loss
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """One process's loss and gradients (inputs by name, parameters by name)."""
+
+    loss: float
+    input_grads: dict[str, Tensor | None]
+    param_grads: dict[str, Tensor | None]
+
+
+def check_against_single_process(
+    fn: Callable[..., Tensor],
+    inputs: Inputs,
+    *,
+    world_size: int = 2,
+    model: Callable[[], nn.Module] | None = None,
+    shard_dim: int = 0,
+    shard_sizes: Sequence[int] | None = None,
+    gradients: Combine = "averaged",
+    rtol: float | None = None,
+    atol: float | None = None,
+    timeout: float = 120.0,
+    raise_on_mismatch: bool = False,
+) -> GradReport:
+    """Run ``fn`` on one process and on ``world_size`` processes and compare the gradients.
+
+    ``fn(*shards)`` (or ``fn(model, *shards)`` when ``model`` is given) returns this rank's
+    scalar loss; ``inputs`` is a sequence or a name-to-tensor mapping of the global batch (passed
+    positionally in that order), each split along ``shard_dim`` into ``shard_sizes`` (default:
+    as even as possible, larger shards first). Floating-point inputs are differentiated.
+    ``model`` is a picklable zero-argument factory (a module-level function or class); every
+    process gets the reference model's exact parameters. ``fn`` must be picklable too (defined
+    at module level).
+
+    ``gradients`` says how training combines the ranks' parameter gradients: "averaged"
+    (DistributedDataParallel, the default) or "summed". The update equals single-process
+    training when the input gradients are ``N`` times (averaged) or exactly (summed) the
+    single-process ones, and the combined parameter gradients equal the single-process ones.
+
+    Tolerances default to ``rtol=1e-7, atol=1e-10`` for float64 inputs and ``rtol=1e-4,
+    atol=1e-6`` otherwise (the ranks reduce in a different order than one process does).
+
+    Returns a :class:`GradReport`; with ``raise_on_mismatch=True`` a mismatch raises
+    :class:`~distgrad.errors.GradientMismatchError` with the report's table and diagnosis.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}")
+    if gradients not in ("averaged", "summed"):
+        raise ValueError(f"gradients must be 'averaged' or 'summed', got {gradients!r}")
+    names, tensors = _normalise(inputs)
+    sizes = _shard_sizes(tensors, shard_dim, shard_sizes, world_size)
+    rtol, atol = _tolerances(tensors, rtol, atol)
+    reference_model = model() if model is not None else None
+    state = _state_of(reference_model)
+    reference = _run_once(fn, names, tensors, reference_model)
+    shards = tuple(
+        tuple(torch.split(t, sizes, dim=shard_dim)[rank] if _shardable(t) else t for t in tensors)
+        for rank in range(world_size)
+    )
+    job = _Job(fn, names, shards, model, state, None)
+    results = run_on_ranks(_rank_run, world_size, args=(job,), timeout=timeout)
+
+    def probe() -> list[RunResult]:
+        # Only rank 0 back-propagates: gradients that reach other ranks crossed a rank.
+        return run_on_ranks(_rank_run, world_size, args=(_probe_job(job),), timeout=timeout)
+
+    report = build_report(
+        reference, results, sizes, shard_dim, combine=gradients, rtol=rtol, atol=atol, probe=probe
+    )
+    if raise_on_mismatch:
+        report.raise_if_mismatch()
+    return report
+
+
+def _probe_job(job: _Job) -> _Job:
+    return _Job(job.fn, job.names, job.shards, job.make_model, job.model_state, (0,))
+
+
+def _normalise(inputs: Inputs) -> tuple[tuple[str, ...], tuple[Tensor, ...]]:
+    if isinstance(inputs, Mapping):
+        items = list(inputs.items())
+        names = tuple(str(k) for k, _ in items)
+        tensors = tuple(v for _, v in items)
+    else:
+        tensors = tuple(inputs)
+        names = tuple(f"input {i}" for i in range(len(tensors)))
+    for name, t in zip(names, tensors, strict=True):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if not tensors:
+        raise ValueError("inputs is empty: give the global batch the function runs on")
+    return names, tensors
+
+
+def _shardable(t: Tensor) -> bool:
+    return t.dim() > 0
+
+
+def _shard_sizes(
+    tensors: Sequence[Tensor], dim: int, sizes: Sequence[int] | None, world_size: int
+) -> list[int]:
+    lengths = {t.shape[dim] for t in tensors if _shardable(t)}
+    if len(lengths) != 1:
+        raise ValueError(
+            f"every input must have the same length along shard_dim={dim}, got {sorted(lengths)}"
+        )
+    total = lengths.pop()
+    if sizes is None:
+        base, extra = divmod(total, world_size)
+        return [base + (1 if r < extra else 0) for r in range(world_size)]
+    if len(sizes) != world_size or sum(sizes) != total or min(sizes) < 0:
+        raise ValueError(
+            f"shard_sizes must be {world_size} non-negative ints adding up to {total}, "
+            f"got {list(sizes)}"
+        )
+    return list(sizes)
+
+
+def _tolerances(
+    tensors: Sequence[Tensor], rtol: float | None, atol: float | None
+) -> tuple[float, float]:
+    exact = all(t.dtype == torch.float64 for t in tensors if t.is_floating_point())
+    default = (1e-7, 1e-10) if exact else (1e-4, 1e-6)
+    return (default[0] if rtol is None else rtol, default[1] if atol is None else atol)
+
+
+def _state_of(model: nn.Module | None) -> dict[str, Tensor] | None:
+    if model is None:
+        return None
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _run_once(
+    fn: Callable[..., Tensor],
+    names: Sequence[str],
+    tensors: Sequence[Tensor],
+    model: nn.Module | None,
+    backward: bool = True,
+) -> RunResult:
+    leaves = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in tensors]
+    loss = fn(model, *leaves) if model is not None else fn(*leaves)
+    if not isinstance(loss, Tensor) or loss.numel() != 1:
+        raise TypeError(
+            "the checked function must return this rank's loss as a scalar tensor, got "
+            f"{type(loss).__name__}{'' if not isinstance(loss, Tensor) else tuple(loss.shape)}"
+        )
+    value = float(loss.detach().reshape(()).item())
+    if loss.requires_grad:
+        torch.autograd.backward((loss if backward else loss * 0.0).reshape(()))
+    params = dict(model.named_parameters()) if model is not None else {}
+    return RunResult(
+        loss=value,
+        input_grads={n: _grad(t) for n, t in zip(names, leaves, strict=True)},
+        param_grads={n: _grad(p) for n, p in params.items()},
+    )
+
+
+def _grad(t: Tensor) -> Tensor | None:
+    return None if t.grad is None else t.grad.detach().clone()
+
+
+def _rank_run(rank: int, world_size: int, job: _Job) -> RunResult:
+    model = job.make_model() if job.make_model is not None else None
+    if model is not None and job.model_state is not None:
+        model.load_state_dict(job.model_state)
+    backward = job.backward_ranks is None or rank in job.backward_ranks
+    return _run_once(job.fn, job.names, job.shards[rank], model, backward=backward)
+
+
+def describe_signature(fn: Callable[..., Any]) -> str:
+    """``fn``'s name for messages."""
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"

@@ -1,0 +1,124 @@
+"""Losses written for one rank, right and wrong, for the checker's tests (module level, so they
+pickle). Inputs: queries q and keys k, [B_local, D], float64."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import distgrad as dg
+from distgrad._demo.naive import LocalOnlyGather, MisroutedGather, overwrite_local_slot
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _offset(rows: int) -> int:
+    sizes = dg.all_gather(torch.tensor([rows]))
+    return int(sizes[: _rank()].sum())
+
+
+def _info_nce(q: Tensor, keys: Tensor) -> Tensor:
+    """Mean over this rank's queries; the positive of query i is global key offset + i."""
+    logits = q @ keys.T
+    labels = torch.arange(len(q)) + _offset(len(q))
+    return F.cross_entropy(logits, labels)
+
+
+def right(q: Tensor, k: Tensor) -> Tensor:
+    """Right for even shards: the local means add up to N times the global mean."""
+    return _info_nce(q, dg.all_gather(k))
+
+
+def right_for_uneven_shards(q: Tensor, k: Tensor) -> Tensor:
+    """Right for any shards: N / B_global times the sum over local rows."""
+    keys = dg.all_gather(k)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    logits = q @ keys.T
+    labels = torch.arange(len(q)) + _offset(len(q))
+    return F.cross_entropy(logits, labels, reduction="sum") * world / len(keys)
+
+
+def local_only(q: Tensor, k: Tensor) -> Tensor:
+    return _info_nce(q, LocalOnlyGather.apply(k))
+
+
+def overwrite(q: Tensor, k: Tensor) -> Tensor:
+    return _info_nce(q, overwrite_local_slot(k))
+
+
+def _global_loss(keys: Tensor) -> Tensor:
+    """Every rank computes the same loss of the whole gathered batch."""
+    return (keys.sum(0) ** 2).sum() + (keys**3).sum()
+
+
+def global_right(q: Tensor, k: Tensor) -> Tensor:
+    return _global_loss(dg.all_gather(k)) + (q * 0).sum()
+
+
+def global_local_only(q: Tensor, k: Tensor) -> Tensor:
+    return _global_loss(LocalOnlyGather.apply(k)) + (q * 0).sum()
+
+
+def global_misrouted(q: Tensor, k: Tensor) -> Tensor:
+    return _global_loss(MisroutedGather.apply(k)) + (q * 0).sum()
+
+
+def share(q: Tensor, k: Tensor) -> Tensor:
+    """Each rank returns its share of the global mean: the shares add up to the loss."""
+    keys = dg.all_gather(k)
+    total_rows = len(keys)
+    logits = q @ keys.T
+    labels = torch.arange(len(q)) + _offset(len(q))
+    return F.cross_entropy(logits, labels, reduction="sum") / total_rows
+
+
+def raw_all_reduce(q: Tensor, k: Tensor) -> Tensor:
+    """Centres keys on the global mean computed with a raw (non-differentiable) all_reduce."""
+    total = k.sum(0)
+    rows = torch.tensor(float(len(k)), dtype=k.dtype)
+    if dist.is_initialized():
+        total = total.clone()
+        dist.all_reduce(total)  # autograd does not see this
+        dist.all_reduce(rows)
+    centred = k - total / rows
+    return (centred**2).sum(1).log().mean() + (q * 0).sum()
+
+
+def wrong_offsets(q: Tensor, k: Tensor) -> Tensor:
+    """Forgets the rank offset of the positives: the forward already differs."""
+    logits = q @ dg.all_gather(k).T
+    return F.cross_entropy(logits, torch.arange(len(q)))
+
+
+def scaled_on_rank_1(q: Tensor, k: Tensor) -> Tensor:
+    if _rank() == 1:
+        k = k * 1.0
+        k.register_hook(lambda g: 2 * g)
+    return right(q, k)
+
+
+def nan_on_rank_1(q: Tensor, k: Tensor) -> Tensor:
+    if _rank() == 1:
+        k = k * float("nan")
+    return right(q, k)
+
+
+class Projector(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 3).double()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.linear(x)
+
+
+def with_model(model: nn.Module, q: Tensor, k: Tensor) -> Tensor:
+    return right(model(q), model(k))
+
+
+def with_model_local_only(model: nn.Module, q: Tensor, k: Tensor) -> Tensor:
+    return local_only(model(q), model(k))
