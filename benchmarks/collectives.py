@@ -1,0 +1,272 @@
+"""Forward+backward time of differentiable all_gather, all_reduce and reduce_scatter.
+
+Every variant runs in the same two gloo processes, interleaved round-robin, so that they share
+the machine's noise; each timing is the slower rank's, between two barriers. Variants:
+
+* floor: the raw, non-differentiable communication that forward+backward needs, done the
+  cheapest way (all_gather + all_to_all-based reduce-scatter; all_reduce + all_reduce;
+  all_to_all-based reduce-scatter + all_gather). Ratios are against this.
+* floor (torch RS): the same with torch's ``reduce_scatter_single`` for the reduce-scatter part
+  (on gloo an all_reduce and a slice).
+* torch.distributed.nn: the deprecated differentiable collectives.
+* funcol: ``torch.distributed._functional_collectives`` autograd variants.
+* all_reduce+slice: a hand-written all_gather whose backward all_reduces the whole gradient and
+  keeps its slice (a common hand-written fix).
+* distgrad: this library (including its metadata handshake).
+
+Shapes are each rank's input. Run: ``python benchmarks/collectives.py [--quick]``; writes
+``benchmarks/results/collectives.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import random
+import statistics
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.distributed.nn.functional as dist_nn
+
+import distgrad as dg
+from distgrad import _comm
+from distgrad._group import resolve
+from distgrad._meta import exchange
+from distgrad.testing import run_on_ranks
+
+SHAPES = [(256, 128), (4096, 512), (16384, 1024)]
+OPS = ["all_gather", "all_reduce", "reduce_scatter"]
+RESULTS = Path(__file__).parent / "results" / "collectives.md"
+
+Step = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...]]
+
+
+class _AllReduceThenSlice(torch.autograd.Function):
+    """all_gather whose backward all_reduces the whole gradient and keeps this rank's rows."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        n = dist.get_world_size()
+        out = x.new_empty((n * x.shape[0], *x.shape[1:]))
+        dist.all_gather_into_tensor(out, x.contiguous())
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad)
+        rows = grad.shape[0] // dist.get_world_size()
+        return grad[dist.get_rank() * rows : (dist.get_rank() + 1) * rows]
+
+
+def _ideal_reduce_scatter(x: torch.Tensor) -> torch.Tensor:
+    group = resolve(None)
+    rows = x.shape[0] // group.size
+    return _comm.reduce_scatter(x, [rows] * group.size, group)
+
+
+def _torch_reduce_scatter(x: torch.Tensor) -> torch.Tensor:
+    out = x.new_empty((x.shape[0] // dist.get_world_size(), *x.shape[1:]))
+    dist.reduce_scatter_tensor(out, x.contiguous())
+    return out
+
+
+def _raw_all_gather(x: torch.Tensor) -> torch.Tensor:
+    out = x.new_empty((dist.get_world_size() * x.shape[0], *x.shape[1:]))
+    dist.all_gather_into_tensor(out, x)
+    return out
+
+
+def _raw_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    out = x.clone()
+    dist.all_reduce(out)
+    return out
+
+
+def _variants(op: str) -> dict[str, Step]:
+    """name -> step(x, cotangent): one forward and its backward."""
+    world = dist.group.WORLD
+
+    def autograd(fn: Callable[[torch.Tensor], torch.Tensor]) -> Step:
+        def step(x: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            out = fn(x)
+            out.backward(v)
+            assert x.grad is not None
+            return out, x.grad
+
+        return step
+
+    def raw(forward: Callable[[torch.Tensor], torch.Tensor], back: Callable[..., Any]) -> Step:
+        def step(x: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            return forward(x.detach()), back(v)
+
+        return step
+
+    if op == "all_gather":
+        return {
+            "floor": raw(_raw_all_gather, _ideal_reduce_scatter),
+            "floor (torch RS)": raw(_raw_all_gather, _torch_reduce_scatter),
+            "torch.distributed.nn": autograd(lambda x: torch.cat(dist_nn.all_gather(x))),
+            "funcol": autograd(lambda x: funcol.all_gather_tensor_autograd(x, 0, world)),
+            "all_reduce+slice": autograd(_AllReduceThenSlice.apply),
+            "distgrad": autograd(dg.all_gather),
+        }
+    if op == "all_reduce":
+        return {
+            "floor": raw(_raw_all_reduce, _raw_all_reduce),
+            "torch.distributed.nn": autograd(dist_nn.all_reduce),
+            "funcol": autograd(lambda x: funcol.all_reduce(x, "sum", world)),
+            "distgrad": autograd(dg.all_reduce),
+        }
+    return {
+        "floor": raw(_ideal_reduce_scatter, _raw_all_gather),
+        "floor (torch RS)": raw(_torch_reduce_scatter, _raw_all_gather),
+        "torch.distributed.nn": autograd(_nn_reduce_scatter),
+        "funcol": autograd(lambda x: funcol.reduce_scatter_tensor_autograd(x, "sum", 0, world)),
+        "distgrad": autograd(dg.reduce_scatter),
+    }
+
+
+def _nn_reduce_scatter(x: torch.Tensor) -> torch.Tensor:
+    n = dist.get_world_size()
+    out = x.new_empty((x.shape[0] // n, *x.shape[1:]))
+    return dist_nn.reduce_scatter(out, list(x.chunk(n)))
+
+
+def _cotangent(op: str, shape: tuple[int, int], n: int) -> torch.Tensor:
+    rows = {"all_gather": shape[0] * n, "all_reduce": shape[0], "reduce_scatter": shape[0] // n}
+    return torch.randn(rows[op], shape[1], generator=torch.Generator().manual_seed(1))
+
+
+def _timed(step: Step, x: torch.Tensor, v: torch.Tensor) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    for t in step(x, v):
+        # Reading a value waits for an asynchronous collective (funcol returns before its
+        # communication finishes), so every variant is timed to completion.
+        float(t.reshape(-1)[0])
+    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slower rank's time
+    return float(elapsed.item())
+
+
+def _handshake_time(x: torch.Tensor, iters: int) -> float:
+    group = resolve(None)
+    times = []
+    for _ in range(iters):
+        dist.barrier()
+        start = time.perf_counter()
+        exchange("all_reduce", "all_reduce", group, x)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _bench(rank: int, world_size: int, quick: bool) -> dict[str, Any]:
+    warnings.filterwarnings("ignore")  # torch.distributed.nn and old names warn on every call
+    results: dict[str, Any] = {}
+    for shape in SHAPES:
+        iters = 3 if quick else {256: 100, 4096: 40, 16384: 10}[shape[0]]
+        x = torch.randn(shape, generator=torch.Generator().manual_seed(rank)).requires_grad_()
+        for op in OPS:
+            variants = _variants(op)
+            v = _cotangent(op, shape, world_size)
+            times: dict[str, list[float]] = {name: [] for name in variants}
+            for step in variants.values():  # warm-up
+                step(x, v)
+            order = list(variants)
+            shuffle = random.Random(len(order))  # the same order on every rank
+            for _ in range(iters):
+                shuffle.shuffle(order)  # no variant always runs right after the same one
+                for name in order:
+                    x.grad = None
+                    times[name].append(_timed(variants[name], x, v))
+            results[f"{op} {shape}"] = {k: statistics.median(t) for k, t in times.items()}
+        results[f"handshake {shape}"] = _handshake_time(x, iters)
+    return results
+
+
+def _table(results: dict[str, Any]) -> list[str]:
+    names = [
+        "floor",
+        "floor (torch RS)",
+        "distgrad",
+        "torch.distributed.nn",
+        "funcol",
+        "all_reduce+slice",
+    ]
+    lines = [
+        "| op, shape per rank | " + " | ".join(names) + " |",
+        "|---" * (len(names) + 1) + "|",
+    ]
+    for op in OPS:
+        for shape in SHAPES:
+            row = results[f"{op} {shape}"]
+            floor = row["floor"]
+            cells = []
+            for name in names:
+                if name not in row:
+                    cells.append("")
+                    continue
+                ms = row[name] * 1e3
+                cells.append(f"{ms:.2f} ms ({row[name] / floor:.2f}x)")
+            lines.append(f"| {op} {shape} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _handshake_lines(results: dict[str, Any]) -> list[str]:
+    lines = [
+        "| shape per rank | handshake | distgrad all_reduce fwd+bwd | share |",
+        "|---|---|---|---|",
+    ]
+    for shape in SHAPES:
+        hs = results[f"handshake {shape}"]
+        total = results[f"all_reduce {shape}"]["distgrad"]
+        lines.append(f"| {shape} | {hs * 1e6:.0f} us | {total * 1e3:.2f} ms | {hs / total:.1%} |")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="3 iterations: a smoke test")
+    args = parser.parse_args()
+    started = time.perf_counter()
+    results = run_on_ranks(_bench, 2, args=(args.quick,), timeout=1800, collective_timeout=600)[0]
+    took = time.perf_counter() - started
+    body = [
+        "# Collectives: forward+backward time (2 ranks, gloo, CPU, float32)",
+        "",
+        f"Measured {datetime.date.today()} on {platform.machine()} with {os.cpu_count()} cores, "
+        f"torch {torch.__version__}, by `python benchmarks/collectives.py` "
+        f"({'quick' if args.quick else 'full'} run, {took:.0f} s). Medians of the slower rank's "
+        "time per iteration; every variant ran interleaved with the others in the same two "
+        "processes, in a shuffled order each iteration, each timed until its results are "
+        "readable; ratios are to the floor in the same row. Iterations: 100 at (256, 128), "
+        "40 at (4096, 512), 10 at (16384, 1024).",
+        "",
+        *_table(results),
+        "",
+        "## The metadata handshake",
+        "",
+        "Every distgrad forward call first all_gathers a 32-int64 description of each rank's "
+        "call (see docs/semantics.md). Its median cost, alone, next to a whole distgrad "
+        "all_reduce forward+backward:",
+        "",
+        *_handshake_lines(results),
+        "",
+    ]
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text("\n".join(body))
+    print("\n".join(body))
+
+
+if __name__ == "__main__":
+    main()
