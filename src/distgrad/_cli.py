@@ -1,0 +1,241 @@
+"""The `distgrad` command: `distgrad demo` and `distgrad check`.
+
+Exit codes: 0 success (check: gradients agree), 1 check found a mismatch, 2 bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import inspect
+import os
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any, NoReturn
+
+import torch
+
+__all__ = ["main"]
+
+
+class UsageError(Exception):
+    """A bad argument, reported in one line with exit code 2."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        code: int = args.run(args)
+        return code
+    except UsageError as exc:
+        _fail(parser, str(exc))
+
+
+def _fail(parser: argparse.ArgumentParser, message: str) -> NoReturn:
+    parser.exit(2, f"distgrad: error: {message}\n")
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="distgrad",
+        description="Differentiable collectives with gradients checked against one process.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    demo = sub.add_parser(
+        "demo",
+        help="train a small contrastive model three ways and compare the gradients",
+        description=(
+            "Train a small NT-Xent model on synthetic data three ways: one process on the full "
+            "batch, N processes with distgrad, and N processes with a naive local-only "
+            "GatherLayer. Prints a table and writes a markdown report with a PNG plot."
+        ),
+    )
+    demo.add_argument("--world-size", type=_positive, default=2, help="processes (default 2)")
+    demo.add_argument("--steps", type=_positive, default=60, help="SGD steps (default 60)")
+    demo.add_argument("--batch", type=_positive, default=64, help="global batch (default 64)")
+    demo.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    demo.add_argument(
+        "--output",
+        type=Path,
+        default=Path("distgrad-demo"),
+        help="folder for report.md and curves.png (default ./distgrad-demo)",
+    )
+    demo.set_defaults(run=_run_demo)
+    check = sub.add_parser(
+        "check",
+        help="compare a distributed loss with its single-process truth",
+        description=(
+            "Run FUNCTION on one process on the whole batch and on N processes on shards, and "
+            "compare the loss and the gradients. TARGET is MODULE:FUNCTION or FILE.py:FUNCTION. "
+            "FUNCTION(*inputs) or FUNCTION(model, *inputs) returns this rank's scalar loss; the "
+            "same module defines make_inputs() returning the global batch (a tuple or a dict of "
+            "tensors, split along dim 0) and, optionally, make_model() returning an nn.Module."
+        ),
+    )
+    check.add_argument("target", metavar="TARGET", help="MODULE:FUNCTION or FILE.py:FUNCTION")
+    check.add_argument("--world-size", type=_positive, default=2, help="processes (default 2)")
+    check.add_argument("--inputs", default="make_inputs", help="inputs function (make_inputs)")
+    check.add_argument("--model", default=None, help="model factory (default: make_model if any)")
+    check.add_argument(
+        "--gradients",
+        choices=["averaged", "summed"],
+        default="averaged",
+        help="how training combines the ranks' gradients (default: averaged, as DDP does)",
+    )
+    check.add_argument("--timeout", type=float, default=120.0, help="seconds (default 120)")
+    check.set_defaults(run=_run_check)
+    return parser
+
+
+# --------------------------------------------------------------------------- demo
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from distgrad._demo import report, train
+    from distgrad.testing import run_on_ranks
+
+    out = _writable_folder(args.output)
+    if args.batch % args.world_size:
+        raise UsageError(
+            f"--batch {args.batch} must divide evenly over --world-size {args.world_size}"
+        )
+    settings = train.Settings(args.world_size, args.steps, args.batch, args.seed)
+    started = time.perf_counter()
+    print(
+        f"distgrad demo: {settings.steps} steps, global batch {settings.batch}, "
+        f"{settings.world_size} processes",
+        file=sys.stderr,
+    )
+    curves = [train.train_single(settings)]
+    for naive in (False, True):
+        results = run_on_ranks(
+            train.train_distributed, settings.world_size, args=(settings, naive), timeout=600
+        )
+        curves.append(results[0])
+    seconds = time.perf_counter() - started
+    png = "curves.png" if report.plot(curves, out / "curves.png") else None
+    (out / "report.md").write_text(report.markdown(curves, settings, png, seconds))
+    print()
+    print(report.table(curves))
+    print()
+    print(f"report: {out / 'report.md'}")
+    if png is None:
+        print("no plot: matplotlib is not installed (pip install 'distgrad[demo]')")
+    else:
+        print(f"plot:   {out / png}")
+    return 0
+
+
+def _writable_folder(path: Path) -> Path:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"cannot create the output folder {path}: {exc.strerror}") from None
+    if not os.access(path, os.W_OK):
+        raise UsageError(f"the output folder {path} is not writable")
+    return path
+
+
+# --------------------------------------------------------------------------- check
+
+
+def _run_check(args: argparse.Namespace) -> int:
+    from distgrad.testing import check_against_single_process
+
+    module, name = _load_target(args.target)
+    fn = _attribute(module, name, args.target)
+    make_inputs = _attribute(module, args.inputs, f"{module.__name__}:{args.inputs}")
+    make_model = _model_factory(module, args.model)
+    inputs = make_inputs()
+    if not isinstance(inputs, (Mapping, Sequence)) or isinstance(inputs, torch.Tensor):
+        inputs = (inputs,)
+    _check_signature(fn, name, len(inputs), make_model is not None)
+    report = check_against_single_process(
+        fn,
+        inputs,
+        world_size=args.world_size,
+        model=make_model,
+        gradients=args.gradients,
+        timeout=args.timeout,
+    )
+    print(report)
+    return 0 if report.ok else 1
+
+
+def _load_target(target: str) -> tuple[ModuleType, str]:
+    where, sep, name = target.rpartition(":")
+    if not sep or not where or not name:
+        raise UsageError(
+            f"TARGET must look like MODULE:FUNCTION or FILE.py:FUNCTION, got {target!r}"
+        )
+    if where.endswith(".py") or os.sep in where:
+        return _load_file(Path(where)), name
+    try:
+        return importlib.import_module(where), name
+    except ImportError as exc:
+        raise UsageError(f"cannot import module {where!r}: {exc}") from None
+
+
+def _load_file(path: Path) -> ModuleType:
+    if not path.is_file():
+        raise UsageError(f"no such file: {path}")
+    # The ranks import the function by module name, so the file's folder goes on sys.path and
+    # the module is registered under its own name.
+    folder, module_name = str(path.resolve().parent), path.stem
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:
+        raise UsageError(f"cannot load {path} as a Python module")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        raise UsageError(f"importing {path} failed: {type(exc).__name__}: {exc}") from None
+    return module
+
+
+def _attribute(module: ModuleType, name: str, label: str) -> Callable[..., Any]:
+    value = getattr(module, name, None)
+    if value is None:
+        raise UsageError(f"{label}: module {module.__name__!r} has no {name!r}")
+    if not callable(value):
+        raise UsageError(f"{label}: {name!r} is not a function")
+    return value  # type: ignore[no-any-return]
+
+
+def _model_factory(module: ModuleType, name: str | None) -> Callable[..., Any] | None:
+    if name is not None:
+        return _attribute(module, name, f"{module.__name__}:{name}")
+    found = getattr(module, "make_model", None)
+    return found if callable(found) else None
+
+
+def _check_signature(fn: Callable[..., Any], name: str, n_inputs: int, has_model: bool) -> None:
+    expected = n_inputs + (1 if has_model else 0)
+    try:
+        inspect.signature(fn).bind(*range(expected))
+    except TypeError:
+        what = "the model and " if has_model else ""
+        raise UsageError(
+            f"{name}{inspect.signature(fn)} cannot take {what}{n_inputs} input tensor(s) "
+            f"positionally ({expected} arguments)"
+        ) from None
+    except ValueError:
+        return  # no signature to inspect (a builtin): let the call decide
