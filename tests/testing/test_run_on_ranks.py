@@ -109,3 +109,14 @@ def test_bad_arguments_are_rejected_before_starting_anything() -> None:
         run_on_ranks(_is_initialized, 1, timeout=0)
     with pytest.raises(ValueError, match="init must be"):
         run_on_ranks(_is_initialized, 1, init="mpi")  # type: ignore[arg-type]
+
+
+def _rpc_round_trip(rank: int, world_size: int) -> float:
+    from torch.distributed import rpc
+
+    peer = f"worker{(rank + 1) % world_size}"
+    return float(rpc.rpc_sync(peer, torch.add, args=(torch.ones(1), rank)).item())
+
+
+def test_init_rpc_joins_workers_named_by_rank() -> None:
+    assert run_on_ranks(_rpc_round_trip, 2, init="rpc") == [1.0, 2.0]

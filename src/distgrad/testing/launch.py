@@ -97,7 +97,8 @@ def run_on_ranks(
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` new local processes.
 
     Before ``fn`` runs, each process has joined a process group (``init="process_group"``,
-    the default), an RPC group with workers named ``worker0``, ``worker1``, ... (``init="rpc"``)
+    the default), an RPC group (TensorPipe) with workers named ``worker0``, ``worker1``, ...
+    (``init="rpc"``)
     or nothing (``init="none"``). ``fn`` and ``args`` must pickle, so ``fn`` lives at module
     level; scripts that call this need an ``if __name__ == "__main__":`` guard.
 
@@ -281,14 +282,18 @@ def _join(spec: _RankSpec) -> None:
             spec.backend, store=store, rank=spec.rank, world_size=spec.world_size, timeout=timeout
         )
     elif spec.init == "rpc":
-        from distgrad.rpc import init_rpc  # type: ignore[attr-defined]
+        from torch.distributed import rpc
 
-        init_rpc(
+        options = rpc.TensorPipeRpcBackendOptions(
+            init_method=f"file://{os.path.join(spec.rendezvous_dir, 'rpc')}",
+            rpc_timeout=spec.collective_timeout,
+            _transports=["uv"],  # loopback TCP; shared memory needs more setup than tests want
+        )
+        rpc.init_rpc(  # type: ignore[no-untyped-call]
             f"worker{spec.rank}",
             rank=spec.rank,
             world_size=spec.world_size,
-            init_method=f"file://{os.path.join(spec.rendezvous_dir, 'rpc')}",
-            timeout=spec.collective_timeout,
+            rpc_backend_options=options,
         )
 
 
@@ -298,6 +303,6 @@ def _leave(spec: _RankSpec) -> None:
     if spec.init == "process_group" and dist.is_initialized():
         dist.destroy_process_group()
     elif spec.init == "rpc":
-        from distgrad.rpc import shutdown  # type: ignore[attr-defined]
+        from torch.distributed import rpc
 
-        shutdown()
+        rpc.shutdown()
