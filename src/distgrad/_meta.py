@@ -47,6 +47,7 @@ _OPS = (
     "scatter",
     "permute",
     "backward",
+    "loss",
 )
 _DTYPES = (
     torch.float32,

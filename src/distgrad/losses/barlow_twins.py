@@ -1,0 +1,56 @@
+"""Barlow Twins with batch statistics over the global batch.
+
+Legend: ``B`` the global batch, ``B_l`` this rank's rows, ``D`` the embedding dim.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from distgrad._group import ProcessGroup
+from distgrad.collectives.all_reduce import all_reduce
+from distgrad.losses.contrastive import _check, _pair_problem
+
+__all__ = ["barlow_twins"]
+
+
+def barlow_twins(
+    view1: Tensor,
+    view2: Tensor,
+    *,
+    lambda_offdiag: float = 5e-3,
+    eps: float = 1e-5,
+    group: ProcessGroup | None = None,
+) -> Tensor:
+    """Barlow Twins: push the cross-correlation of the two views' embeddings to the identity.
+
+    Each view is standardised per dim with the global batch's mean and (biased) variance, as
+    a BatchNorm without affine parameters would on the whole batch; then
+    ``C = z1n^T z2n / B`` ([D, D]) and
+    ``L = sum_i (1 - C_ii)^2 + lambda_offdiag * sum_{i != j} C_ij^2``.
+
+    Every rank computes the same ``L`` from all-reduced statistics and gets it as the value;
+    under the sum contract each rank's gradient is world_size times its part of ``dL/dz``, so
+    DistributedDataParallel's averaging gives exactly the single-process gradient.
+
+    Communication: forward 6 all_reduces, of statistics only (a count, two [D] means, two [D]
+    variances, one [D, D] correlation), never of the embeddings; backward the same all_reduces
+    of their gradients. Memory: [B_l, D] and [D, D].
+    """
+    _check("barlow_twins", group, _pair_problem(view1, view2, "view1 and view2"))
+    count = all_reduce(
+        torch.tensor(float(len(view1)), dtype=view1.dtype, device=view1.device), group=group
+    )
+
+    def standardise(z: Tensor) -> Tensor:
+        mean = all_reduce(z.sum(0), group=group) / count
+        centred = z - mean
+        var = all_reduce((centred**2).sum(0), group=group) / count
+        return centred / torch.sqrt(var + eps)
+
+    corr = all_reduce(standardise(view1).T @ standardise(view2), group=group) / count
+    diagonal = corr.diagonal()
+    on = (1 - diagonal).pow(2).sum()
+    off = corr.pow(2).sum() - diagonal.pow(2).sum()
+    return on + lambda_offdiag * off
