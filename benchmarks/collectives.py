@@ -96,9 +96,13 @@ def _variants(op: str) -> dict[str, Step]:
     """name -> step(x, cotangent): one forward and its backward."""
     world = dist.group.WORLD
 
+    # Each step reads the forward's output before the backward starts, as a loss would, so an
+    # asynchronous forward (funcol's) cannot overlap its own backward, which no training step
+    # allows; the cotangent v is then passed straight in, with no loss arithmetic to time.
     def autograd(fn: Callable[[torch.Tensor], torch.Tensor]) -> Step:
         def step(x: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
             out = fn(x)
+            float(out.reshape(-1)[0])
             out.backward(v)
             assert x.grad is not None
             return out, x.grad
@@ -107,7 +111,9 @@ def _variants(op: str) -> dict[str, Step]:
 
     def raw(forward: Callable[[torch.Tensor], torch.Tensor], back: Callable[..., Any]) -> Step:
         def step(x: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            return forward(x.detach()), back(v)
+            out = forward(x.detach())
+            float(out.reshape(-1)[0])
+            return out, back(v)
 
         return step
 
