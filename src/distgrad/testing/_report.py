@@ -53,6 +53,10 @@ class GradReport:
     losses: list[float]
     checks: list[TensorCheck]
     diagnoses: list[str] = field(default_factory=list)
+    #: For each way of combining parameter gradients over ranks ("averaged" as DDP does,
+    #: "summed"), whether the combined gradients equal the single-process ones; empty when
+    #: there are no parameters.
+    params_agree: dict[str, bool] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -88,9 +92,13 @@ class GradReport:
             f"distgrad check on {self.world_size} ranks, gradients {self.combine} over ranks: "
             + ("AGREE" if self.ok else "MISMATCH"),
             f"loss: single process {self.reference_loss:.6g}; per rank [{losses}]",
-            "",
-            self.table(),
         ]
+        if self.params_agree:
+            ways = "; ".join(
+                f"{way}: {'yes' if agree else 'no'}" for way, agree in self.params_agree.items()
+            )
+            head.append(f"parameter gradients equal to one process when combined by ({ways})")
+        head += ["", self.table()]
         if self.diagnoses:
             head += ["", "Diagnosis:"] + [f"- {d}" for d in self.diagnoses]
         return "\n".join(head)
@@ -117,6 +125,11 @@ def build_report(
     checks = _input_checks(reference, results, sizes, shard_dim, factor, rtol, atol)
     checks += _param_checks(reference, results, combine, rtol, atol)
     report = GradReport(n, combine, reference.loss, [r.loss for r in results], checks)
+    if reference.param_grads:
+        report.params_agree = {
+            way: all(c.ok for c in _param_checks(reference, results, way, rtol, atol))
+            for way in ("averaged", "summed")
+        }
     report.diagnoses = _diagnose(
         report, reference, results, sizes, shard_dim, factor, rtol, atol, probe
     )
