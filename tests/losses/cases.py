@@ -25,20 +25,28 @@ class Learnable(nn.Module):
         return self.encoder(a), self.encoder(b), self.log_t.exp()
 
 
-def nt_xent(m: Learnable, a: Tensor, b: Tensor) -> Tensor:
-    return dg.losses.nt_xent(m.encoder(a), m.encoder(b), temperature=m.log_t.exp())
+def nt_xent(m: Learnable, a: Tensor, b: Tensor, block_size: int | None = None) -> Tensor:
+    return dg.losses.nt_xent(
+        m.encoder(a), m.encoder(b), temperature=m.log_t.exp(), block_size=block_size
+    )
 
 
-def info_nce(m: Learnable, a: Tensor, b: Tensor) -> Tensor:
-    return dg.losses.info_nce(m.encoder(a), m.encoder(b), temperature=m.log_t.exp())
+def info_nce(m: Learnable, a: Tensor, b: Tensor, block_size: int | None = None) -> Tensor:
+    return dg.losses.info_nce(
+        m.encoder(a), m.encoder(b), temperature=m.log_t.exp(), block_size=block_size
+    )
 
 
-def clip_loss(m: Learnable, a: Tensor, b: Tensor) -> Tensor:
-    return dg.losses.clip_loss(m.encoder(a), m.encoder(b), logit_scale=m.log_scale.exp())
+def clip_loss(m: Learnable, a: Tensor, b: Tensor, block_size: int | None = None) -> Tensor:
+    return dg.losses.clip_loss(
+        m.encoder(a), m.encoder(b), logit_scale=m.log_scale.exp(), block_size=block_size
+    )
 
 
-def siglip_loss(m: Learnable, a: Tensor, b: Tensor) -> Tensor:
-    return dg.losses.siglip_loss(m.encoder(a), m.encoder(b), scale=m.log_scale.exp(), bias=m.bias)
+def siglip_loss(m: Learnable, a: Tensor, b: Tensor, block_size: int | None = None) -> Tensor:
+    return dg.losses.siglip_loss(
+        m.encoder(a), m.encoder(b), scale=m.log_scale.exp(), bias=m.bias, block_size=block_size
+    )
 
 
 def barlow_twins(m: Learnable, a: Tensor, b: Tensor) -> Tensor:

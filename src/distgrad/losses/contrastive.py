@@ -22,6 +22,7 @@ from distgrad._group import ProcessGroup, resolve
 from distgrad._meta import exchange
 from distgrad.collectives.all_gather import all_gather
 from distgrad.losses._global import global_mean, row_offset
+from distgrad.losses._ring import ring_reduce, ring_rows
 
 __all__ = ["clip_loss", "info_nce", "nt_xent", "siglip_loss"]
 
@@ -50,12 +51,24 @@ def _positive_problem(name: str, value: Scalar) -> str | None:
     return None
 
 
+def _block_problem(block_size: int | None) -> str | None:
+    if block_size is None or (isinstance(block_size, int) and block_size >= 1):
+        return None
+    return f"block_size must be None (dense) or a positive int, got {block_size!r}"
+
+
+def _scalar(value: Scalar, like: Tensor) -> Tensor:
+    """``value`` as a 0-dim tensor of ``like``'s dtype (keeping its autograd history)."""
+    return torch.as_tensor(value, dtype=like.dtype, device=like.device).reshape(())
+
+
 def info_nce(
     query: Tensor,
     key: Tensor,
     *,
     temperature: Scalar = 0.1,
     group: ProcessGroup | None = None,
+    block_size: int | None = None,
 ) -> Tensor:
     """InfoNCE: each query's positive is the key of the same global row; negatives are all other
     keys of the global batch.
@@ -66,11 +79,15 @@ def info_nce(
     Communication: forward 1 all_gather of the keys [B_l, D] (plus two metadata handshakes and
     a scalar all_reduce for the value); backward 1 reduce-scatter of [B, D]. Memory: [B_l, B].
     """
-    problem = _pair_problem(query, key, "query and key") or _positive_problem(
-        "temperature", temperature
+    problem = (
+        _pair_problem(query, key, "query and key")
+        or _positive_problem("temperature", temperature)
+        or _block_problem(block_size)
     )
     _check("info_nce", group, problem)
     q, k = F.normalize(query, dim=1), F.normalize(key, dim=1)
+    if block_size is not None:
+        return _ring_info_nce("info_nce", q, k, 1 / _scalar(temperature, q), group, block_size)
     keys = all_gather(k, group)  # [B, D]
     offset, total = row_offset(len(q), group)
     logits = q @ keys.T / temperature  # [B_l, B]; positives at column offset + i
@@ -84,6 +101,7 @@ def clip_loss(
     *,
     logit_scale: Scalar = 1 / 0.07,
     group: ProcessGroup | None = None,
+    block_size: int | None = None,
 ) -> Tensor:
     """CLIP's symmetric InfoNCE: images against all texts and texts against all images.
 
@@ -93,11 +111,18 @@ def clip_loss(
     Communication: forward 2 all_gathers of [B_l, D]; backward 2 reduce-scatters of [B, D].
     Memory: two [B_l, B] logit blocks.
     """
-    problem = _pair_problem(image, text, "image and text") or _positive_problem(
-        "logit_scale", logit_scale
+    problem = (
+        _pair_problem(image, text, "image and text")
+        or _positive_problem("logit_scale", logit_scale)
+        or _block_problem(block_size)
     )
     _check("clip_loss", group, problem)
     x, y = F.normalize(image, dim=1), F.normalize(text, dim=1)
+    if block_size is not None:
+        scale = _scalar(logit_scale, x)
+        per_image = _ring_info_nce("clip_loss", x, y, scale, group, block_size)
+        per_text = _ring_info_nce("clip_loss", y, x, scale, group, block_size)
+        return (per_image + per_text) / 2
     all_x, all_y = all_gather(x, group), all_gather(y, group)
     offset, total = row_offset(len(x), group)
     labels = torch.arange(len(x), device=x.device) + offset
@@ -112,6 +137,7 @@ def nt_xent(
     *,
     temperature: Scalar = 0.5,
     group: ProcessGroup | None = None,
+    block_size: int | None = None,
 ) -> Tensor:
     """SimCLR's NT-Xent: 2B anchors (both views); each anchor's positive is the other view of
     its sample; its negatives are the other 2B - 2 embeddings of the global batch.
@@ -122,11 +148,15 @@ def nt_xent(
     Communication: forward 2 all_gathers of [B_l, D]; backward 2 reduce-scatters of [B, D].
     Memory: [2 B_l, 2 B].
     """
-    problem = _pair_problem(view1, view2, "view1 and view2") or _positive_problem(
-        "temperature", temperature
+    problem = (
+        _pair_problem(view1, view2, "view1 and view2")
+        or _positive_problem("temperature", temperature)
+        or _block_problem(block_size)
     )
     _check("nt_xent", group, problem)
     z1, z2 = F.normalize(view1, dim=1), F.normalize(view2, dim=1)
+    if block_size is not None:
+        return _ring_nt_xent(z1, z2, 1 / _scalar(temperature, z1), group, block_size)
     first, second = all_gather(z1, group), all_gather(z2, group)  # [B, D] each
     offset, total = row_offset(len(z1), group)
     candidates = torch.cat([first, second])  # [2B, D]: all first views, then all second views
@@ -146,6 +176,7 @@ def siglip_loss(
     scale: Scalar = 10.0,
     bias: Scalar = -10.0,
     group: ProcessGroup | None = None,
+    block_size: int | None = None,
 ) -> Tensor:
     """SigLIP: a binary decision for every (image, text) pair of the global batch.
 
@@ -156,9 +187,15 @@ def siglip_loss(
     Communication: forward 1 all_gather of the texts [B_l, D]; backward 1 reduce-scatter.
     Memory: [B_l, B].
     """
-    problem = _pair_problem(image, text, "image and text") or _positive_problem("scale", scale)
+    problem = (
+        _pair_problem(image, text, "image and text")
+        or _positive_problem("scale", scale)
+        or _block_problem(block_size)
+    )
     _check("siglip_loss", group, problem)
     x, y = F.normalize(image, dim=1), F.normalize(text, dim=1)
+    if block_size is not None:
+        return _ring_siglip(x, y, _scalar(scale, x), _scalar(bias, x), group, block_size)
     all_y = all_gather(y, group)
     offset, total = row_offset(len(x), group)
     logits = scale * x @ all_y.T + bias  # [B_l, B]
@@ -166,3 +203,41 @@ def siglip_loss(
     rows = torch.arange(len(x), device=x.device)
     signs[rows, rows + offset] = 1.0
     return global_mean(-F.logsigmoid(signs * logits).sum(), total, group)
+
+
+# The memory-efficient paths: the same losses through distgrad.losses._ring, which never holds
+# more than [anchors, block_size] logits. Each returns the same value and gradients as the
+# dense path (tests/losses/test_blockwise.py).
+
+
+def _ring_info_nce(
+    desc: str, q: Tensor, k: Tensor, scale: Tensor, group: ProcessGroup | None, block: int
+) -> Tensor:
+    """``(1/B) sum_i [logsumexp_j s <q_i, k_j> - s <q_i, k_i>]`` with the keys on a ring."""
+    rows = ring_rows(desc, k, group)
+    lse = ring_reduce(q, k, scale, scale.new_zeros(()), rows, group, kind="lse", block=block)
+    positive = scale * (q * k).sum(1)  # [B_l]: the positive of row i is the local key i
+    return global_mean((lse - positive).sum(), sum(rows), group)
+
+
+def _ring_nt_xent(
+    z1: Tensor, z2: Tensor, scale: Tensor, group: ProcessGroup | None, block: int
+) -> Tensor:
+    """Anchors and keys are both ``[z1; z2]``; the ring leaves out each anchor's own column."""
+    both = torch.cat([z1, z2])  # [2 B_l, D]
+    rows = ring_rows("nt_xent", both, group)
+    zero = scale.new_zeros(())
+    lse = ring_reduce(both, both, scale, zero, rows, group, kind="lse", block=block, mask_self=True)
+    positive = scale * (both * torch.cat([z2, z1])).sum(1)
+    return global_mean((lse - positive).sum(), sum(rows), group)
+
+
+def _ring_siglip(
+    x: Tensor, y: Tensor, scale: Tensor, bias: Tensor, group: ProcessGroup | None, block: int
+) -> Tensor:
+    """Every pair counted as a negative, ``softplus(l_ij)``, then each positive corrected:
+    ``-log sigmoid(l) = softplus(-l) = softplus(l) - l``."""
+    rows = ring_rows("siglip_loss", y, group)
+    negatives = ring_reduce(x, y, scale, bias, rows, group, kind="softplus", block=block)
+    positive = scale * (x * y).sum(1) + bias  # [B_l]: l_ii
+    return global_mean((negatives - positive).sum(), sum(rows), group)

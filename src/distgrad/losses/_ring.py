@@ -1,0 +1,204 @@
+"""Blockwise ring reductions: a row reduction over the global logits, never materialised.
+
+Legend: ``n`` this rank's anchors, ``m_r`` rank r's keys (padded to ``M = max_r m_r`` on the
+wire), ``D`` the embedding dim, ``W`` the group size, ``b`` the block size, ``s`` the scale.
+
+For local anchors ``a`` [n, D] and the keys of every rank ``k_r`` [m_r, D], with logits
+``l_ij = s <a_i, k_j> (+ bias)`` over all global keys ``j``, :func:`ring_reduce` returns [n]:
+
+* ``kind="lse"``: ``logsumexp_j l_ij`` (with ``mask_self``: column j = i of this rank's own
+  keys is left out, for NT-Xent where the anchors are the keys);
+* ``kind="softplus"``: ``sum_j softplus(l_ij + bias)`` (SigLIP with every pair a negative).
+
+Algorithm (the keys travel, the anchors stay): the key blocks go round a ring; after step t
+this rank holds rank (rank - t) mod W's keys, and folds them in ``b`` columns at a time
+(``logaddexp`` of chunk logsumexps, or a running sum). The backward recomputes each chunk's
+logits and sends each key block round the ring again *together with its gradient
+accumulator*: every rank adds its anchors' contribution, and a final shift brings the
+accumulator home to the rank that owns the keys.
+
+Gradient (the objective is the sum over ranks of what each rank back-propagates): the
+gradient of the keys is the sum over every rank's anchors, as for ``all_gather``; ``a``,
+``scale`` and ``bias`` get this rank's part only.
+
+Communication: forward W-1 sends and receives of [M, D] (each overlapped with the previous
+block's compute); backward W-1 of [M, 2D] and 1 of [M, D]. Compute: forward one [n, m_r]
+matmul per rank, backward three (recompute, anchor gradient, key gradient). Memory: the
+saved inputs, two key blocks, and at most two [n, b] logit chunks, never [n, sum m_r].
+Not twice differentiable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+from torch.autograd.function import FunctionCtx, once_differentiable
+
+from distgrad import _comm
+from distgrad._group import Group, ProcessGroup, resolve
+from distgrad.errors import CollectiveMismatchError
+
+__all__ = ["KINDS", "ring_reduce", "ring_rows"]
+
+KINDS = ("lse", "softplus")
+
+
+@dataclass(frozen=True)
+class _Plan:
+    group: Group
+    rows: tuple[int, ...]  # key rows of every rank (group rank order)
+    block: int
+    kind: str
+    mask_self: bool
+
+    def source(self, step: int) -> int:
+        """The rank whose keys this rank holds after ``step`` shifts."""
+        return (self.group.rank - step) % self.group.size
+
+
+def ring_rows(desc: str, keys: Tensor, group: ProcessGroup | None) -> tuple[int, ...]:
+    """Every rank's key row count, after checking on every rank that they agree on the dim.
+
+    The check is a function of the gathered [rows, dim] of every rank, so every rank
+    reaches the same verdict and raises the same error: no rank is left waiting in the ring.
+    """
+    g = resolve(group)
+    mine = torch.tensor([[keys.shape[0], keys.shape[1]]], dtype=torch.int64)
+    mine = mine.to(_comm.metadata_device(g))
+    every = _comm.all_gather(mine, [1] * g.size, g).tolist()
+    dims = [row[1] for row in every]
+    if len(set(dims)) > 1:
+        shown = ", ".join(f"rank {r}: {d}" for r, d in enumerate(dims))
+        raise CollectiveMismatchError(
+            f"{desc} on rank {g.rank}: ranks disagree on the embedding dim ({shown}); every "
+            "rank's embeddings must have the same dim"
+        )
+    return tuple(row[0] for row in every)
+
+
+def _shift(x: Tensor, g: Group) -> tuple[Tensor, list[Any]]:
+    """Start sending ``x`` to the next rank of the ring; return the receive buffer and works."""
+    out = torch.empty_like(x)
+    ops = [
+        dist.P2POp(dist.isend, x, g.global_rank((g.rank + 1) % g.size), g.pg),
+        dist.P2POp(dist.irecv, out, g.global_rank((g.rank - 1) % g.size), g.pg),
+    ]
+    return out, dist.batch_isend_irecv(ops)
+
+
+def _wait(works: list[Any]) -> None:
+    for work in works:
+        work.wait()
+
+
+def _chunk_logits(a: Tensor, k: Tensor, scale: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
+    """(raw similarities [n, b], logits [n, b] = scale * raw + bias)."""
+    raw = a @ k.T
+    return raw, torch.addcmul(bias, raw, scale)
+
+
+def _mask_diagonal(logits: Tensor, start: int) -> None:
+    """Drop anchor i against own key i (global column ``start + c`` of this chunk), in place."""
+    rows = torch.arange(start, min(start + logits.shape[1], logits.shape[0]))
+    logits[rows, rows - start] = float("-inf")
+
+
+def _forward_block(a: Tensor, k: Tensor, s: Tensor, bias: Tensor, plan: _Plan, own: bool) -> Tensor:
+    out = a.new_full((a.shape[0],), float("-inf") if plan.kind == "lse" else 0.0)
+    for start in range(0, k.shape[0], plan.block):
+        _, logits = _chunk_logits(a, k[start : start + plan.block], s, bias)  # [n, b]
+        if plan.kind == "lse":
+            if own and plan.mask_self:
+                _mask_diagonal(logits, start)
+            out = torch.logaddexp(out, logits.logsumexp(1))
+        else:
+            out += F.softplus(logits).sum(1)
+    return out
+
+
+class _RingReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: FunctionCtx, a: Tensor, k: Tensor, scale: Tensor, bias: Tensor, plan: _Plan
+    ) -> Tensor:
+        g, width = plan.group, max(plan.rows)
+        cur = F.pad(k, (0, 0, 0, width - k.shape[0]))  # [M, D]
+        out = a.new_full((a.shape[0],), float("-inf") if plan.kind == "lse" else 0.0)
+        for step in range(g.size):
+            nxt, works = _shift(cur, g) if step < g.size - 1 else (cur, [])
+            part = _forward_block(
+                a, cur[: plan.rows[plan.source(step)]], scale, bias, plan, step == 0
+            )
+            out = torch.logaddexp(out, part) if plan.kind == "lse" else out + part
+            _wait(works)
+            cur = nxt
+        ctx.save_for_backward(a, k, scale, bias, out)
+        ctx.plan = plan  # type: ignore[attr-defined]
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        a, k, scale, bias, out = ctx.saved_tensors
+        plan: _Plan = ctx.plan
+        g, width, dim = plan.group, max(plan.rows), k.shape[1]
+        alpha = float(scale)
+        da, ds, db = torch.zeros_like(a), torch.zeros_like(scale), torch.zeros_like(bias)
+        # [M, 2D]: the keys and their gradient accumulator travel together
+        cur = torch.cat([F.pad(k, (0, 0, 0, width - k.shape[0])), k.new_zeros(width, dim)], 1)
+        for step in range(g.size):
+            rows = plan.rows[plan.source(step)]
+            keys, acc = cur[:rows, :dim], cur[:rows, dim:]
+            for start in range(0, rows, plan.block):
+                kb = keys[start : start + plan.block]
+                raw, w = _chunk_logits(a, kb, scale, bias)  # w: [n, b], becomes dL/dlogits
+                if plan.kind == "lse":
+                    if step == 0 and plan.mask_self:
+                        _mask_diagonal(w, start)
+                    w.sub_(out[:, None]).exp_()
+                else:
+                    w.sigmoid_()
+                w.mul_(grad[:, None])
+                ds += torch.vdot(w.flatten(), raw.flatten())
+                db += w.sum()
+                da.addmm_(w, kb, alpha=alpha)
+                acc[start : start + plan.block].addmm_(w.T, a, alpha=alpha)
+            last = step == g.size - 1
+            send = cur[:, dim:].contiguous() if last else cur
+            nxt, works = _shift(send, g) if g.size > 1 else (send, [])
+            _wait(works)
+            cur = nxt
+        dk = cur[: k.shape[0], -dim:]
+        need = ctx.needs_input_grad
+        return (
+            da if need[0] else None,
+            dk.contiguous() if need[1] else None,
+            ds if need[2] else None,
+            db if need[3] else None,
+            None,
+        )
+
+
+def ring_reduce(
+    anchors: Tensor,
+    keys: Tensor,
+    scale: Tensor,
+    bias: Tensor,
+    rows: tuple[int, ...],
+    group: ProcessGroup | None,
+    *,
+    kind: str,
+    block: int,
+    mask_self: bool = False,
+) -> Tensor:
+    """The per-anchor reduction [n] described in the module docstring; ``rows`` from
+    :func:`ring_rows`, ``scale`` and ``bias`` 0-dim tensors of the anchors' dtype."""
+    assert kind in KINDS and block >= 1
+    plan = _Plan(resolve(group), rows, block, kind, mask_self)
+    out: Tensor = _RingReduce.apply(anchors, keys, scale, bias, plan)  # type: ignore[no-untyped-call]
+    return out

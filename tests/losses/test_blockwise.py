@@ -1,0 +1,186 @@
+"""The memory-efficient (ring, blockwise) path against the dense path on one process.
+
+Semantics asserted: ``ring_reduce`` under the sum objective (each rank back-propagates a random
+cotangent of its own [n] output) gives the gradient of the single-process reduction over the
+full logits: anchors and keys get their rows of it, scale and bias summed over ranks. Each loss
+with ``block_size`` returns on every rank the single-process *dense* loss, input gradients
+world_size times the dense ones, and parameter gradients whose average over ranks (DDP) equals
+the dense ones. float64 throughout, tolerance 1e-10 (only the reduction order differs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+import distgrad as dg
+from distgrad.losses._ring import ring_reduce, ring_rows
+from distgrad.testing import check_against_single_process, run_on_ranks
+from tests.losses import cases
+
+SHARDINGS = [[5], [4, 3], [3, 0, 2], [1, 3, 2, 1]]
+TOL = {"rtol": 1e-10, "atol": 1e-12}
+
+
+def _data(rows: int, seed: int) -> list[Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    a, k = (torch.randn(rows, 4, dtype=torch.float64, generator=gen) for _ in range(2))
+    return [a, k, torch.randn(rows, dtype=torch.float64, generator=gen)]  # v: the cotangent
+
+
+def _reference_reduce(a: Tensor, k: Tensor, s: Tensor, b: Tensor, kind: str, mask: bool) -> Tensor:
+    logits = s * a @ k.T + b  # [B, B]
+    if kind == "softplus":
+        return F.softplus(logits).sum(1)
+    if mask:
+        logits = logits.masked_fill(torch.eye(len(a), dtype=torch.bool), float("-inf"))
+    return logits.logsumexp(1)
+
+
+CASES = [("lse", False, 2), ("lse", True, 2), ("lse", True, 100), ("softplus", False, 3)]
+
+
+def _ring_worker(rank: int, world_size: int, sizes: list[int]) -> list[list[Tensor]]:
+    start, stop = sum(sizes[:rank]), sum(sizes[: rank + 1])
+    results = []
+    for kind, mask, block in CASES:
+        a, k, v = (t[start:stop] for t in _data(sum(sizes), 0))
+        if mask:  # NT-Xent: the anchors are the keys
+            k = a
+        a.requires_grad_(True)
+        k = k.detach().requires_grad_(True)
+        s = torch.tensor(1.7, dtype=torch.float64, requires_grad=True)
+        b = torch.tensor(-0.4 if kind == "softplus" else 0.0, dtype=torch.float64)
+        b.requires_grad_(True)
+        rows = ring_rows("test", k, None)
+        out = ring_reduce(a, k, s, b, rows, None, kind=kind, block=block, mask_self=mask)
+        (out * v).sum().backward()
+        assert a.grad is not None and k.grad is not None and s.grad is not None
+        assert b.grad is not None
+        results.append([out.detach(), a.grad, k.grad, s.grad, b.grad])
+    return results
+
+
+@pytest.mark.parametrize("sizes", SHARDINGS, ids=str)
+def test_ring_reduce_equals_the_full_reduction_with_random_cotangents(sizes: list[int]) -> None:
+    """Objective: sum over ranks of <out_r, v_r> with random v; blocks smaller than, and larger
+    than, a rank's keys; a rank with no rows."""
+    per_rank = run_on_ranks(_ring_worker, len(sizes), args=(sizes,))
+    for case, (kind, mask, _) in enumerate(CASES):
+        a, k, v = _data(sum(sizes), 0)
+        k = a.clone() if mask else k
+        a.requires_grad_(True)
+        k.requires_grad_(True)
+        s = torch.tensor(1.7, dtype=torch.float64, requires_grad=True)
+        b = torch.tensor(-0.4 if kind == "softplus" else 0.0, dtype=torch.float64)
+        b.requires_grad_(True)
+        out = _reference_reduce(a, k if not mask else a, s, b, kind, mask)
+        (out * v).sum().backward()
+        assert a.grad is not None and s.grad is not None and b.grad is not None
+        grad_a = a.grad  # with mask_self the keys are the anchors: one gradient for both
+        got = [torch.cat([r[case][i] for r in per_rank]) for i in range(3)]
+        torch.testing.assert_close(got[0], out.detach(), **TOL)
+        if mask:
+            torch.testing.assert_close(got[1] + got[2], grad_a, **TOL)
+        else:
+            assert k.grad is not None
+            torch.testing.assert_close(got[1], grad_a, **TOL)
+            torch.testing.assert_close(got[2], k.grad, **TOL)
+        torch.testing.assert_close(sum(r[case][3] for r in per_rank), s.grad, **TOL)
+        torch.testing.assert_close(sum(r[case][4] for r in per_rank), b.grad, **TOL)
+
+
+def _blockwise(loss: Callable[..., Tensor], block: int) -> Callable[..., Tensor]:
+    return lambda m, a, b: loss(m, a, b, block_size=block)
+
+
+BLOCKWISE = [cases.nt_xent, cases.info_nce, cases.clip_loss, cases.siglip_loss]
+
+
+def _views(rows: int) -> dict[str, Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    base = torch.randn(rows, 5, dtype=torch.float64, generator=gen)
+    noise = [0.1 * torch.randn(rows, 5, dtype=torch.float64, generator=gen) for _ in range(2)]
+    return {"a": base + noise[0], "b": base + noise[1]}
+
+
+@pytest.mark.parametrize("loss", BLOCKWISE, ids=lambda f: f.__name__)
+def test_blockwise_loss_equals_dense_loss_in_one_process(loss: Callable[..., Tensor]) -> None:
+    """No process group: block sizes 1, 2 and 7 against the dense path, value and gradients."""
+    views = _views(7)
+    reference = cases.Learnable()
+    loss(reference, views["a"], views["b"]).backward()
+    for block in (1, 2, 7):
+        model = cases.Learnable()
+        value = loss(model, views["a"], views["b"], block_size=block)
+        value.backward()
+        torch.testing.assert_close(value, loss(reference, views["a"], views["b"]), **TOL)
+        for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+            assert (p.grad is None) == (q.grad is None), name
+            if p.grad is not None:
+                torch.testing.assert_close(p.grad, q.grad, **TOL, msg=name)
+
+
+def _sharded_blockwise(rank: int, world_size: int, name: str, sizes: list[int]) -> list[Tensor]:
+    loss = getattr(cases, name)
+    views = _views(sum(sizes))
+    rows = slice(sum(sizes[:rank]), sum(sizes[: rank + 1]))
+    model = cases.Learnable()
+    value = loss(model, views["a"][rows], views["b"][rows], block_size=2)
+    value.backward()
+    return [value.detach()] + [
+        torch.zeros(()) if p.grad is None else p.grad for p in model.parameters()
+    ]
+
+
+@pytest.mark.parametrize("loss", BLOCKWISE, ids=lambda f: f.__name__)
+def test_blockwise_loss_on_ranks_equals_dense_loss_in_one_process(
+    loss: Callable[..., Tensor],
+) -> None:
+    """Every rank returns the dense single-process value; the average over ranks of the
+    parameter gradients (DDP) equals the dense single-process gradients."""
+    views = _views(7)
+    reference = cases.Learnable()
+    value = loss(reference, views["a"], views["b"])
+    value.backward()
+    for sizes in ([4, 3], [3, 0, 4], [1, 3, 2, 1]):  # 7 rows, as the reference
+        per_rank = run_on_ranks(_sharded_blockwise, len(sizes), args=(loss.__name__, sizes))
+        for result in per_rank:
+            torch.testing.assert_close(result[0], value.detach(), **TOL)
+        for i, q in enumerate(reference.parameters(), start=1):
+            averaged = sum(r[i] for r in per_rank) / len(sizes)
+            expected = torch.zeros(()) if q.grad is None else q.grad
+            torch.testing.assert_close(averaged, expected, **TOL, check_dtype=False)
+
+
+def nt_xent_blockwise(m: cases.Learnable, a: Tensor, b: Tensor) -> Tensor:
+    return cases.nt_xent(m, a, b, block_size=3)
+
+
+def test_checker_agrees_for_blockwise_nt_xent_on_three_uneven_ranks() -> None:
+    """dg.testing.check_against_single_process: inputs and parameters, [3, 1, 3] shards."""
+    report = check_against_single_process(
+        nt_xent_blockwise,
+        _views(7),
+        world_size=3,
+        shard_sizes=[3, 1, 3],
+        model=cases.Learnable,  # type: ignore[arg-type]
+    )
+    assert report.ok, str(report)
+
+
+def _dims_differ(rank: int, world_size: int) -> str:
+    try:
+        dg.losses.info_nce(torch.ones(2, 3 + rank), torch.ones(2, 3 + rank), block_size=2)
+    except dg.errors.CollectiveMismatchError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_blockwise_dims_differing_across_ranks_raise_on_every_rank() -> None:
+    for message in run_on_ranks(_dims_differ, 2, timeout=30):
+        assert "ranks disagree on the embedding dim (rank 0: 3, rank 1: 4)" in message
