@@ -42,6 +42,11 @@ def right_for_uneven_shards(q: Tensor, k: Tensor) -> Tensor:
     return F.cross_entropy(logits, labels, reduction="sum") * world / len(keys)
 
 
+def with_temperature(q: Tensor, k: Tensor, temperature: Tensor) -> Tensor:
+    """A 0-dim input: every rank gets all of it."""
+    return right(q / temperature, k)
+
+
 def local_only(q: Tensor, k: Tensor) -> Tensor:
     return _info_nce(q, LocalOnlyGather.apply(k))
 

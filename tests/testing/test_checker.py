@@ -49,6 +49,16 @@ def test_parameter_gradients_agree_under_ddp_averaging() -> None:
     assert any(c.name == "param linear.weight" and c.ok for c in report.checks)
     assert report.params_agree == {"averaged": True, "summed": False}
     assert "combined by (averaged: yes; summed: no)" in str(report)
+    assert report.contracts == {"averaged": True, "summed": False}
+    assert "contract: the gradients averaged over ranks (as DDP does) equal" in str(report)
+
+
+def test_a_0_dim_input_goes_whole_to_every_rank_and_is_combined_like_a_parameter() -> None:
+    """The temperature's gradients, averaged over ranks, equal the single-process one."""
+    batch = {**_batch(), "temperature": torch.tensor(0.5, dtype=torch.float64)}
+    report = check_against_single_process(L.with_temperature, batch, world_size=2)
+    assert report.ok, str(report)
+    assert [c.rank for c in report.checks if c.name == "temperature"] == [None]
 
 
 def test_local_only_gather_on_a_global_loss_is_diagnosed_as_one_over_n() -> None:
@@ -62,6 +72,7 @@ def test_local_only_gather_on_a_global_loss_is_diagnosed_as_one_over_n() -> None
 def test_local_only_gather_on_a_contrastive_loss_misses_cross_rank_terms() -> None:
     report = check_against_single_process(L.local_only, _batch(), world_size=2)
     assert not report.ok
+    assert report.contracts == {"averaged": False, "summed": False}
     assert "misses the terms that flow through other ranks" in _diagnosis(report)
 
 
@@ -87,6 +98,8 @@ def test_losses_that_are_shares_get_loss_scaling_advice_under_ddp() -> None:
     report = check_against_single_process(L.share, _batch(), world_size=2)
     assert not report.ok
     assert "multiply each rank's loss by 2" in _diagnosis(report)
+    assert report.contracts == {"averaged": False, "summed": True}
+    assert "contract: the gradients summed over ranks equal one process's" in str(report)
     assert check_against_single_process(L.share, _batch(), world_size=2, gradients="summed").ok
 
 

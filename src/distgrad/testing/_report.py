@@ -57,6 +57,12 @@ class GradReport:
     #: "summed"), whether the combined gradients equal the single-process ones; empty when
     #: there are no parameters.
     params_agree: dict[str, bool] = field(default_factory=dict)
+    #: The gradient contract the code satisfies, for each way of combining ("summed":
+    #: ``sum_r dloss_r/dx`` equals the single-process gradient, so summing parameter gradients
+    #: over ranks reproduces single-process training; "averaged": it equals ``N`` times the
+    #: single-process gradient, so DDP's averaging reproduces it): True when every input and
+    #: parameter gradient agrees under that way.
+    contracts: dict[str, bool] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -98,6 +104,8 @@ class GradReport:
                 f"{way}: {'yes' if agree else 'no'}" for way, agree in self.params_agree.items()
             )
             head.append(f"parameter gradients equal to one process when combined by ({ways})")
+        if self.contracts:
+            head.append("contract: " + _contract_sentence(self.contracts, self.world_size))
         head += ["", self.table()]
         if self.diagnoses:
             head += ["", "Diagnosis:"] + [f"- {d}" for d in self.diagnoses]
@@ -130,10 +138,40 @@ def build_report(
             way: all(c.ok for c in _param_checks(reference, results, way, rtol, atol))
             for way in ("averaged", "summed")
         }
+    report.contracts = {
+        way: all(
+            c.ok
+            for c in _input_checks(reference, results, sizes, shard_dim, float(scale), rtol, atol)
+            + _param_checks(reference, results, way, rtol, atol)
+        )
+        for way, scale in (("averaged", n), ("summed", 1))
+    }
     report.diagnoses = _diagnose(
         report, reference, results, sizes, shard_dim, factor, rtol, atol, probe
     )
     return report
+
+
+def _contract_sentence(contracts: dict[str, bool], n: int) -> str:
+    averaged, summed = contracts.get("averaged", False), contracts.get("summed", False)
+    if averaged and summed:
+        return (
+            "the gradients equal one process's whether summed or averaged over ranks (the two "
+            "coincide with one rank, or when every gradient is zero)."
+        )
+    if averaged:
+        return (
+            f"the gradients averaged over ranks (as DDP does) equal one process's; each rank's "
+            f"input gradient is {n} x its slice of the single-process gradient. Summing over "
+            f"ranks instead would give {n} x the single-process gradient."
+        )
+    if summed:
+        return (
+            "the gradients summed over ranks equal one process's; each rank's input gradient "
+            "is its slice of the single-process gradient. Averaging over ranks as DDP does "
+            f"would give 1/{n} of the single-process gradient."
+        )
+    return "neither the summed nor the averaged gradients equal one process's (see below)."
 
 
 def _compare(
@@ -179,6 +217,14 @@ def _input_checks(
 ) -> list[TensorCheck]:
     checks = []
     for name, ref_grad in reference.input_grads.items():
+        if ref_grad is not None and ref_grad.dim() == 0:
+            # A 0-dim input goes whole to every rank, like a parameter: combine the ranks'
+            # gradients (sum / m) and compare with the single-process one.
+            present = [g for r in results if (g := r.input_grads.get(name)) is not None]
+            combined = torch.stack(present).sum(0) / factor if present else None
+            way = "summed" if factor == 1 else "averaged"
+            checks.append(_compare(name, None, combined, ref_grad, rtol, atol, way))
+            continue
         for rank, result in enumerate(results):
             expected = _slice(ref_grad, sizes, dim, rank)
             expected = None if expected is None else factor * expected
@@ -283,7 +329,8 @@ def _share_advice(n: int) -> str:
     return (
         f"the ranks' losses add up to the single-process loss (each rank returns its share), "
         f"so averaging gradients over ranks as DDP does divides them by {n}: multiply each "
-        f"rank's loss by {n}, or compute the global loss on every rank."
+        f"rank's loss by {n}, or compute the global loss on every rank. (If your training sums "
+        "the gradients over ranks instead, the code is right: check with gradients='summed'.)"
     )
 
 

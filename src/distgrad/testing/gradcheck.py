@@ -78,7 +78,10 @@ def check_against_single_process(
     ``fn(*shards)`` (or ``fn(model, *shards)`` when ``model`` is given) returns this rank's
     scalar loss; ``inputs`` is a sequence or a name-to-tensor mapping of the global batch (passed
     positionally in that order), each split along ``shard_dim`` into ``shard_sizes`` (default:
-    as even as possible, larger shards first). Floating-point inputs are differentiated.
+    as even as possible, larger shards first); a 0-dim input (a temperature, say) goes whole to
+    every rank and its gradient is combined over ranks like a parameter's. Floating-point
+    inputs are differentiated. Run the checker under ``if __name__ == "__main__":`` in a
+    script: the ranks are started processes that import the script's module.
     ``model`` is a picklable zero-argument factory (a module-level function or class); every
     process gets the reference model's exact parameters. ``fn`` must be picklable too (defined
     at module level).
