@@ -138,13 +138,14 @@ def build_report(
             way: all(c.ok for c in _param_checks(reference, results, way, rtol, atol))
             for way in ("averaged", "summed")
         }
+    ways: tuple[tuple[Combine, float], ...] = (("averaged", float(n)), ("summed", 1.0))
     report.contracts = {
         way: all(
             c.ok
-            for c in _input_checks(reference, results, sizes, shard_dim, float(scale), rtol, atol)
+            for c in _input_checks(reference, results, sizes, shard_dim, scale, rtol, atol)
             + _param_checks(reference, results, way, rtol, atol)
         )
-        for way, scale in (("averaged", n), ("summed", 1))
+        for way, scale in ways
     }
     report.diagnoses = _diagnose(
         report, reference, results, sizes, shard_dim, factor, rtol, atol, probe
