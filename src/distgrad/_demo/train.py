@@ -149,6 +149,9 @@ def train_distributed(rank: int, world_size: int, settings: Settings, naive: boo
 
 
 def _progress(name: str, done: int, total: int) -> None:
+    """A bar redrawn in place on a terminal; one line per run when stderr is a file or pipe."""
+    if done < total and not sys.stderr.isatty():
+        return
     width = 30
     filled = width * done // total
     bar = "#" * filled + "." * (width - filled)
