@@ -284,7 +284,7 @@ def _diagnose(
     loss_factor = _loss_factor(report)
     if loss_factor is None:
         out.append(
-            f"the forward pass already differs: the ranks' losses {report.losses} fit no "
+            f"the forward pass already differs: the ranks' losses {_floats(report.losses)} fit no "
             "convention (each rank's loss equal to the single-process "
             f"{report.reference_loss:.6g}, or their sum equal to it, or to N times it). Check "
             "the sharding, the labels or offsets each rank uses, and that statistics are "
@@ -450,3 +450,7 @@ def _cross_rank_diagnosis(probe_results: Sequence[RunResult], reference: RunResu
         "table above rank by rank, and check every collective's backward and the loss's "
         "global offsets."
     )
+
+
+def _floats(values: Sequence[float]) -> str:
+    return "[" + ", ".join(f"{v:.6g}" for v in values) + "]"
