@@ -282,18 +282,14 @@ def _join(spec: _RankSpec) -> None:
             spec.backend, store=store, rank=spec.rank, world_size=spec.world_size, timeout=timeout
         )
     elif spec.init == "rpc":
-        from torch.distributed import rpc
+        from distgrad import rpc
 
-        options = rpc.TensorPipeRpcBackendOptions(
-            init_method=f"file://{os.path.join(spec.rendezvous_dir, 'rpc')}",
-            rpc_timeout=spec.collective_timeout,
-            _transports=["uv"],  # loopback TCP; shared memory needs more setup than tests want
-        )
-        rpc.init_rpc(  # type: ignore[no-untyped-call]
+        rpc.init_rpc(
             f"worker{spec.rank}",
             rank=spec.rank,
             world_size=spec.world_size,
-            rpc_backend_options=options,
+            init_method=f"file://{os.path.join(spec.rendezvous_dir, 'rpc')}",
+            timeout=spec.collective_timeout,
         )
 
 
@@ -303,6 +299,6 @@ def _leave(spec: _RankSpec) -> None:
     if spec.init == "process_group" and dist.is_initialized():
         dist.destroy_process_group()
     elif spec.init == "rpc":
-        from torch.distributed import rpc
+        from distgrad import rpc
 
         rpc.shutdown()

@@ -1,0 +1,171 @@
+"""RPC calls that record send/recv pairs inside a distributed autograd context.
+
+Outside a context these are torch's ``rpc_sync``, ``rpc_async`` and ``remote`` unchanged.
+Inside one, the request carries the context id; tensors that require grad in the arguments
+get a send record here and a recv node on the callee, and tensors that require grad in the
+result get a send record on the callee and a recv node here. The callee runs ``func`` inside
+the same context, so RPCs it makes in turn are recorded too (chains and loops).
+
+Cost per call inside a context: no extra message; one record per direction that carries
+tensors requiring grad; the tensors are detached before they are sent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+from torch.distributed import rpc as torch_rpc
+from torch.futures import Future
+
+from distgrad.rpc import _agent
+from distgrad.rpc._wire import Envelope
+from distgrad.rpc.context import _set_current, current_context_id, get_or_create, lookup
+from distgrad.rpc.send_recv import attach_recv, detach_for_send
+
+__all__ = ["RRef", "remote", "rpc_async", "rpc_sync"]
+
+T = TypeVar("T")
+_UNSET = -1.0  # torch's "use the agent's default timeout"
+Worker = str | int | torch_rpc.WorkerInfo
+
+
+def rpc_sync(
+    to: Worker,
+    func: Callable[..., T],
+    args: tuple[Any, ...] | None = None,
+    kwargs: dict[str, Any] | None = None,
+    timeout: float = _UNSET,
+) -> T:
+    """Run ``func(*args, **kwargs)`` on worker ``to`` and return its result.
+
+    Inside a context, records a send/recv pair for the request and one for the response
+    wherever they carry tensors that require grad. ``timeout`` in seconds (default: the RPC
+    group's).
+    """
+    result: T = rpc_async(to, func, args, kwargs, timeout).wait()
+    return result
+
+
+def rpc_async(
+    to: Worker,
+    func: Callable[..., T],
+    args: tuple[Any, ...] | None = None,
+    kwargs: dict[str, Any] | None = None,
+    timeout: float = _UNSET,
+) -> Future[T]:
+    """Like :func:`rpc_sync`, but return a ``torch.futures.Future`` of the result."""
+    context_id = current_context_id()
+    if context_id is None:
+        return torch_rpc.rpc_async(to, func, args, kwargs, timeout)  # type: ignore[no-any-return]
+    to_name = _agent.name_of(to)
+    request = _envelope(context_id, to_name, (tuple(args or ()), dict(kwargs or {})))
+    fut = torch_rpc.rpc_async(to_name, _serve_call, args=(request, func), timeout=timeout)
+    return fut.then(lambda done: _open(done.wait(), to_name))  # type: ignore[no-any-return]
+
+
+def remote(
+    to: Worker,
+    func: Callable[..., T],
+    args: tuple[Any, ...] | None = None,
+    kwargs: dict[str, Any] | None = None,
+    timeout: float = _UNSET,
+) -> RRef[T]:
+    """Run ``func`` on ``to`` and return an :class:`RRef` to the result, which stays there.
+
+    Inside a context, the request records a send/recv pair as in :func:`rpc_sync`; the result
+    keeps its autograd history on its owner, and :meth:`RRef.to_here` records the fetch.
+    """
+    context_id = current_context_id()
+    if context_id is None:
+        return RRef._wrap(torch_rpc.remote(to, func, args, kwargs, timeout))
+    to_name = _agent.name_of(to)
+    request = _envelope(context_id, to_name, (tuple(args or ()), dict(kwargs or {})))
+    return RRef._wrap(
+        torch_rpc.remote(to_name, _serve_remote, args=(request, func), timeout=timeout)
+    )
+
+
+class RRef(Generic[T]):
+    """A reference to a value owned by one worker; ``to_here()`` fetches a copy.
+
+    Wraps ``torch.distributed.rpc.RRef``. ``RRef(value)`` makes a reference owned by this
+    worker. Inside a context, ``to_here()`` records a send on the owner and a recv here for the
+    tensors that require grad, so gradients flow back to the owner's graph.
+    """
+
+    def __init__(self, value: T) -> None:
+        self._rref: Any = torch_rpc.RRef(value)
+
+    @classmethod
+    def _wrap(cls, rref: Any) -> RRef[T]:
+        obj = cls.__new__(cls)
+        obj._rref = rref
+        return obj
+
+    @property
+    def torch_rref(self) -> Any:
+        """The wrapped ``torch.distributed.rpc.RRef``."""
+        return self._rref
+
+    def owner_name(self) -> str:
+        """The name of the worker that owns the value."""
+        return str(self._rref.owner_name())
+
+    def is_owner(self) -> bool:
+        """Whether this worker owns the value."""
+        return bool(self._rref.is_owner())
+
+    def local_value(self) -> T:
+        """The value itself; only on its owner."""
+        value: T = self._rref.local_value()
+        return value
+
+    def to_here(self, timeout: float = _UNSET) -> T:
+        """A copy of the value on this worker (the value itself on the owner).
+
+        Cost: one RPC to the owner, unless this worker owns it.
+        """
+        if self.is_owner():
+            return self.local_value()
+        if current_context_id() is None:
+            value: T = self._rref.to_here(timeout)
+            return value
+        return rpc_sync(self.owner_name(), _local_value, args=(self._rref,), timeout=timeout)
+
+    def __repr__(self) -> str:
+        return f"distgrad.rpc.RRef(owner={self.owner_name()!r})"
+
+
+def _local_value(rref: Any) -> Any:
+    return rref.local_value()
+
+
+def _envelope(context_id: int, to_name: str, payload: Any) -> Envelope:
+    ctx = lookup(context_id)
+    sent, message_id, positions = detach_for_send(ctx, to_name, payload)
+    return Envelope(context_id, _agent.worker_name(), sent, message_id, positions)
+
+
+def _open(envelope: Envelope, from_worker: str) -> Any:
+    """Unpack an envelope on its receiver, attaching a recv node where tensors required grad."""
+    ctx = get_or_create(envelope.context_id)
+    return attach_recv(ctx, from_worker, envelope.payload, envelope.message_id, envelope.positions)
+
+
+def _run_inside(request: Envelope, func: Callable[..., Any]) -> Any:
+    args, kwargs = _open(request, request.sender)
+    previous = _set_current(request.context_id)
+    try:
+        return func(*args, **kwargs)
+    finally:
+        _set_current(previous)
+
+
+def _serve_call(request: Envelope, func: Callable[..., Any]) -> Envelope:
+    result = _run_inside(request, func)
+    return _envelope(request.context_id, request.sender, result)
+
+
+def _serve_remote(request: Envelope, func: Callable[..., Any]) -> Any:
+    return _run_inside(request, func)

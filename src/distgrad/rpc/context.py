@@ -1,0 +1,220 @@
+"""Distributed autograd contexts: one per forward/backward pass, known to every worker it touches.
+
+A context holds, on each worker, what that worker recorded during the forward pass (its send and
+recv records, keyed by autograd message id), the workers it exchanged messages with, and the
+gradients the backward pass accumulated for this worker's tensors. Gradients never go to
+``.grad``: read them with :func:`get_gradients`.
+
+A context is created by :func:`context` on one worker and, lazily, on every worker that receives
+a message carrying its id. When the ``with`` block exits, the context is released on this worker
+and on every worker it touched, transitively (each worker forwards the release to the workers it
+knows of), also when the block raised.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from distgrad.errors import RpcAutogradError, UnknownContextError
+from distgrad.rpc import _agent
+
+if TYPE_CHECKING:
+    from distgrad.rpc.send_recv import RecvRecord, SendRecord
+
+__all__ = ["DistAutogradContext", "context", "current_context_id", "debug_state", "get_gradients"]
+
+_RELEASE_TIMEOUT_S = 10.0
+
+
+@dataclass
+class _Pass:
+    """One backward pass as seen by this worker: the gradient messages its phases sent."""
+
+    pass_id: int
+    deadline: float = 0.0  # time.monotonic() by which this worker's part must be done
+    outgoing: list[tuple[str, Any]] = field(default_factory=list)  # (worker, future)
+
+
+class DistAutogradContext:
+    """What one worker knows about one distributed autograd context.
+
+    All fields are guarded by ``lock``; local backward phases of one context run one at a time.
+    """
+
+    def __init__(self, context_id: int) -> None:
+        self.context_id = context_id
+        self.lock = threading.RLock()
+        self.sends: dict[int, SendRecord] = {}
+        self.recvs: dict[int, RecvRecord] = {}
+        self.known_workers: set[str] = set()
+        # id(tensor) -> (tensor, accumulated gradient)
+        self._grads: dict[int, tuple[Tensor, Tensor]] = {}
+        # A leaf every recv node hangs from, so that a backward asked for leaf gradients still
+        # runs the recv nodes (torch only runs nodes on a path to a requested input).
+        self.anchor = torch.zeros((), requires_grad=True)
+        self.active_pass: _Pass | None = None
+        self.passes_in_flight = 0
+        self.graph_freed = False
+
+    def accumulate(self, tensor: Tensor, grad: Tensor) -> None:
+        """Add ``grad`` to the gradient stored for ``tensor`` (out of place)."""
+        key = id(tensor)
+        held = self._grads.get(key)
+        self._grads[key] = (tensor, grad if held is None else held[1] + grad)
+
+    def gradients(self) -> dict[Tensor, Tensor]:
+        with self.lock:
+            return {t: g for t, g in self._grads.values()}
+
+    def grad_of(self, tensor: Tensor) -> Tensor | None:
+        with self.lock:
+            held = self._grads.get(id(tensor))
+            return None if held is None else held[1]
+
+
+_registry: dict[int, DistAutogradContext] = {}
+_registry_lock = threading.Lock()
+_local = threading.local()
+
+
+def current_context_id() -> int | None:
+    """The id of the context this thread is in, or ``None``."""
+    cid: int | None = getattr(_local, "context_id", None)
+    return cid
+
+
+def _set_current(context_id: int | None) -> int | None:
+    previous = current_context_id()
+    _local.context_id = context_id
+    return previous
+
+
+def lookup(context_id: int) -> DistAutogradContext:
+    """The context with this id on this worker; :class:`UnknownContextError` if there is none."""
+    with _registry_lock:
+        ctx = _registry.get(context_id)
+    if ctx is None:
+        raise UnknownContextError(
+            f"autograd context {context_id} is not known on {_agent.worker_name()}: it was never "
+            "created here or it has already been released (contexts live only inside their "
+            "`with distgrad.rpc.context()` block)"
+        )
+    return ctx
+
+
+def get_or_create(context_id: int) -> DistAutogradContext:
+    """The context with this id, created on this worker if it is new here."""
+    with _registry_lock:
+        ctx = _registry.get(context_id)
+        if ctx is None:
+            ctx = _registry[context_id] = DistAutogradContext(context_id)
+        return ctx
+
+
+def _pop(context_id: int) -> DistAutogradContext | None:
+    with _registry_lock:
+        return _registry.pop(context_id, None)
+
+
+def _forget_all() -> None:
+    with _registry_lock:
+        _registry.clear()
+
+
+@contextlib.contextmanager
+def context() -> Iterator[int]:
+    """Open a distributed autograd context on this thread and yield its id.
+
+    The id is unique across workers (the worker id sits in its high 16 bits). RPCs made through
+    :mod:`distgrad.rpc` inside the block carry the id and record send/recv pairs for tensors
+    that require grad. A thread has at most one open context; opening a second one raises
+    :class:`~distgrad.errors.RpcAutogradError`.
+
+    Cost: creating a context is local; on exit, one release message per worker this worker
+    exchanged messages with (each forwards it to the workers it knows of).
+    """
+    if current_context_id() is not None:
+        raise RpcAutogradError(
+            f"this thread is already in autograd context {current_context_id()}; "
+            "a thread can be in only one context at a time"
+        )
+    context_id = _agent.new_id()
+    get_or_create(context_id)
+    _set_current(context_id)
+    failed = True
+    try:
+        yield context_id
+        failed = False
+    finally:
+        _set_current(None)
+        errors = release(context_id, sender=None)
+        if errors and not failed:
+            raise RpcAutogradError(
+                f"autograd context {context_id} could not be released on every worker: "
+                + "; ".join(errors)
+            )
+
+
+def release(context_id: int, sender: str | None) -> list[str]:
+    """Drop the context here and on every worker it touched (except ``sender``), transitively.
+
+    Returns one line per worker that could not be reached.
+    """
+    from torch.distributed import rpc as torch_rpc
+
+    ctx = _pop(context_id)
+    if ctx is None:
+        return []
+    with ctx.lock:
+        peers = sorted(ctx.known_workers - {sender, _agent.worker_name()})
+        ctx.sends.clear()
+        ctx.recvs.clear()
+    me = _agent.worker_name()
+    futures = [
+        (
+            peer,
+            torch_rpc.rpc_async(
+                peer, _release_remote, args=(context_id, me), timeout=_RELEASE_TIMEOUT_S
+            ),
+        )
+        for peer in peers
+    ]
+    errors: list[str] = []
+    for peer, fut in futures:
+        try:
+            errors.extend(fut.wait())
+        except Exception as exc:
+            errors.append(f"{peer}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+    return errors
+
+
+def _release_remote(context_id: int, sender: str) -> list[str]:
+    return release(context_id, sender)
+
+
+def get_gradients(context_id: int) -> dict[Tensor, Tensor]:
+    """This worker's gradients in the context: a dict from each tensor to its gradient.
+
+    Only tensors of this worker that a distributed backward reached appear; their ``.grad`` is
+    untouched. Raises :class:`~distgrad.errors.UnknownContextError` for an unknown id.
+    """
+    return lookup(context_id).gradients()
+
+
+def debug_state() -> dict[str, int]:
+    """Counts for leak checks on this worker: live contexts, backward passes in flight, records."""
+    with _registry_lock:
+        contexts = list(_registry.values())
+    return {
+        "contexts": len(contexts),
+        "passes_in_flight": sum(c.passes_in_flight for c in contexts),
+        "sends": sum(len(c.sends) for c in contexts),
+        "recvs": sum(len(c.recvs) for c in contexts),
+    }

@@ -1,0 +1,274 @@
+"""The distributed backward pass (FAST mode) and the messages that carry gradients.
+
+FAST mode, as distgrad runs it:
+
+1. The root worker runs its local engine from the roots. Whenever the engine reaches a recv
+   node, that node ships the gradients it got to the worker that sent the tensors (one RPC,
+   carrying the context id and the autograd message id), without waiting.
+2. A worker that receives gradients for message ``m`` runs its local engine from the tensors of
+   ``sends[m]`` with those gradients; its own recv nodes ship further in the same way.
+3. Every worker answers a gradient message only after the messages its own phase shipped have
+   been answered, so when the root's messages are answered the whole pass is over. Errors travel
+   back along the same answers; the first one is raised at the root, naming the worker where it
+   started.
+
+Each gradient message flows on as soon as it arrives, so no worker waits for a send that will
+never receive a gradient (PyTorch's FAST mode hangs there). The price: a local subgraph reached
+by several messages runs once per message, with partial gradients (the sum is right because
+backward is linear; tensor hooks see the partial gradients). SMART mode runs it once.
+
+Gradients for leaves accumulate in the context (``get_gradients``), never in ``.grad``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.distributed import rpc as torch_rpc
+
+from distgrad.errors import RpcAutogradError
+from distgrad.rpc import _agent
+from distgrad.rpc.context import DistAutogradContext, _Pass, lookup
+from distgrad.rpc.send_recv import RecvRecord, SendRecord
+
+__all__ = ["backward", "ship_gradients"]
+
+_MARKER = "distributed backward failed on "
+_HOP_MARGIN_S = 0.5  # each hop gives its callee this much less time, so the deepest error wins
+
+
+def find_leaves(outputs: Sequence[Tensor]) -> list[Tensor]:
+    """Every leaf tensor requiring grad reachable backwards from ``outputs``, in a stable order."""
+    leaves: dict[int, Tensor] = {}
+    seen: set[int] = set()
+    stack: list[Any] = []
+    for t in outputs:
+        if t.grad_fn is None:
+            leaves.setdefault(id(t), t)
+        else:
+            stack.append(t.grad_fn)
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        variable = getattr(node, "variable", None)
+        if isinstance(variable, Tensor):
+            leaves.setdefault(id(variable), variable)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return list(leaves.values())
+
+
+def run_phase(
+    ctx: DistAutogradContext,
+    outputs: list[Tensor],
+    grads: list[Tensor],
+    leaves: list[Tensor],
+) -> None:
+    """Run the local engine from ``outputs`` and add the leaves' gradients to the context.
+
+    The caller holds ``ctx.lock`` and has set ``ctx.active_pass``. The graph is retained: a
+    later message of the same pass may reach the same nodes.
+    """
+    inputs = [*leaves, ctx.anchor]
+    found = torch.autograd.grad(outputs, inputs, grads, retain_graph=True, allow_unused=True)
+    given = {id(g) for g in grads}
+    for leaf, grad in zip(leaves, found[:-1], strict=True):
+        if grad is not None:
+            ctx.accumulate(leaf, grad.clone() if id(grad) in given else grad)
+
+
+def ship_gradients(record: RecvRecord, grads: list[Tensor | None]) -> None:
+    """Called by a recv node in backward: send ``grads`` to the worker that sent the tensors."""
+    ctx = lookup(record.context_id)
+    active = ctx.active_pass
+    assert active is not None, "a recv node ran outside a distributed backward phase"
+    budget = max(active.deadline - time.monotonic() - _HOP_MARGIN_S, 0.1)
+    fut = torch_rpc.rpc_async(
+        record.from_worker,
+        receive_gradients,
+        args=(record.context_id, record.message_id, grads, active.pass_id, budget),
+        timeout=budget,
+    )
+    active.outgoing.append((record.from_worker, fut))
+
+
+def receive_gradients(
+    context_id: int, message_id: int, grads: list[Tensor | None], pass_id: int, budget: float
+) -> None:
+    """RPC handler: run this worker's part of the pass from ``sends[message_id]``."""
+    me = _agent.worker_name()
+    try:
+        ctx = lookup(context_id)
+        with ctx.lock:
+            record = ctx.sends.get(message_id)
+        if record is None:
+            raise RpcAutogradError(
+                f"no send with autograd message id {message_id} in context {context_id}"
+            )
+        outputs, given = _pair(record, grads)
+        _run_and_wait(ctx, pass_id, budget, outputs, given, _leaves_of(record))
+    except Exception as exc:
+        raise _as_backward_error(exc, me) from None
+
+
+def _leaves_of(record: SendRecord) -> list[Tensor]:
+    if record.leaves is None:
+        record.leaves = find_leaves(record.tensors)
+    return record.leaves
+
+
+def _pair(record: SendRecord, grads: list[Tensor | None]) -> tuple[list[Tensor], list[Tensor]]:
+    outputs: list[Tensor] = []
+    given: list[Tensor] = []
+    for tensor, grad in zip(record.tensors, grads, strict=True):
+        if grad is not None:
+            outputs.append(tensor)
+            given.append(grad)
+    return outputs, given
+
+
+def _run_and_wait(
+    ctx: DistAutogradContext,
+    pass_id: int,
+    budget: float,
+    outputs: list[Tensor],
+    grads: list[Tensor],
+    leaves: list[Tensor],
+) -> None:
+    """Run one local phase, then wait (outside the lock) for the gradients it shipped."""
+    active = _Pass(pass_id, deadline=time.monotonic() + budget)
+    with ctx.lock:
+        ctx.passes_in_flight += 1
+        previous, ctx.active_pass = ctx.active_pass, active
+        try:
+            if outputs:
+                run_phase(ctx, outputs, grads, leaves)
+        finally:
+            ctx.active_pass = previous
+    try:
+        _wait_all(active.outgoing)
+    finally:
+        with ctx.lock:
+            ctx.passes_in_flight -= 1
+
+
+def _wait_all(outgoing: list[tuple[str, Any]]) -> None:
+    """Wait for every shipped message (each bounded by its RPC timeout); raise the first error."""
+    first: BaseException | None = None
+    for peer, fut in outgoing:
+        try:
+            fut.wait()
+        except Exception as exc:
+            if first is None:
+                first = _as_backward_error(exc, peer, delivering=True)
+    if first is not None:
+        raise first
+
+
+def _as_backward_error(exc: BaseException, worker: str, *, delivering: bool = False) -> Exception:
+    """An :class:`RpcAutogradError` naming the worker where the failure started."""
+    text = str(exc)
+    at = text.find(_MARKER)
+    if at >= 0:  # already wrapped further down the chain: keep the innermost message
+        return RpcAutogradError(text[at:].splitlines()[0])
+    first_line = text.strip().splitlines()[0][:300] if text.strip() else ""
+    if delivering:
+        why = f"could not deliver gradients to it ({type(exc).__name__}: {first_line})"
+    else:
+        why = f"{type(exc).__name__}: {first_line}"
+    return RpcAutogradError(f"{_MARKER}{worker}: {why}")
+
+
+def backward(
+    context_id: int,
+    roots: Sequence[Tensor],
+    grad_tensors: Sequence[Tensor | None] | None = None,
+    retain_graph: bool = False,
+    *,
+    mode: str = "fast",
+    timeout: float | None = None,
+) -> None:
+    """Run a distributed backward pass from ``roots``, which must live on this worker.
+
+    ``grad_tensors[i]`` is the gradient of ``roots[i]`` (``None`` or omitted: ones, allowed for
+    single-element roots only). Gradients of every worker's leaves accumulate in the context
+    (:func:`get_gradients` on that worker); ``.grad`` is never written. With
+    ``retain_graph=False`` the context's graph may not be back-propagated again.
+
+    ``mode="fast"`` (the default) ships every gradient on as it arrives; ``mode="smart"`` first
+    finds which send/recv pairs lie on a path to the roots and runs each worker's local engine
+    once (see docs/rpc.md). ``timeout`` (seconds, default: the RPC timeout) bounds the pass.
+
+    Cost (FAST): one RPC per recv node the pass reaches, each answered after the work it
+    triggers; no extra messages.
+
+    Raises :class:`~distgrad.errors.RpcAutogradError` naming the worker where a failure started
+    (an exception in a backward function, a dead or unreachable worker, a timeout), and
+    :class:`~distgrad.errors.UnknownContextError` for an unknown context id.
+    """
+    ctx = lookup(context_id)
+    outputs, grads = _check_roots(roots, grad_tensors)
+    if mode not in ("fast", "smart"):
+        raise ValueError(f"mode must be 'fast' or 'smart', got {mode!r}")
+    with ctx.lock:
+        if ctx.graph_freed:
+            raise RpcAutogradError(
+                f"context {context_id}: its graph was already back-propagated with "
+                "retain_graph=False; pass retain_graph=True to the first backward to run another"
+            )
+    budget = _agent.rpc_timeout() if timeout is None else timeout
+    pass_id = _agent.new_id()
+    if mode == "smart":
+        from distgrad.rpc.smart import smart_backward
+
+        smart_backward(ctx, pass_id, budget, outputs, grads)
+    else:
+        try:
+            _run_and_wait(ctx, pass_id, budget, outputs, grads, find_leaves(outputs))
+        except RpcAutogradError:
+            raise
+        except Exception as exc:
+            raise _as_backward_error(exc, _agent.worker_name()) from None
+    if not retain_graph:
+        with ctx.lock:
+            ctx.graph_freed = True
+
+
+def _check_roots(
+    roots: Sequence[Tensor], grad_tensors: Sequence[Tensor | None] | None
+) -> tuple[list[Tensor], list[Tensor]]:
+    if isinstance(roots, Tensor):
+        roots = [roots]
+    if grad_tensors is None:
+        grad_tensors = [None] * len(roots)
+    elif isinstance(grad_tensors, Tensor):
+        grad_tensors = [grad_tensors]
+    if len(grad_tensors) != len(roots):
+        raise ValueError(f"backward: got {len(roots)} roots but {len(grad_tensors)} grad_tensors")
+    outputs: list[Tensor] = []
+    grads: list[Tensor] = []
+    for i, (root, grad) in enumerate(zip(roots, grad_tensors, strict=True)):
+        if not isinstance(root, Tensor):
+            raise TypeError(f"backward: roots[{i}] is a {type(root).__name__}, not a Tensor")
+        if not root.requires_grad:
+            raise RpcAutogradError(f"backward: roots[{i}] does not require grad and has no grad_fn")
+        if grad is None:
+            if root.numel() != 1:
+                raise RpcAutogradError(
+                    f"backward: roots[{i}] has shape {tuple(root.shape)}; pass grad_tensors "
+                    "for roots with more than one element"
+                )
+            grad = torch.ones_like(root)
+        elif grad.shape != root.shape:
+            raise ValueError(
+                f"backward: grad_tensors[{i}] has shape {tuple(grad.shape)} but roots[{i}] "
+                f"has shape {tuple(root.shape)}"
+            )
+        outputs.append(root)
+        grads.append(grad)
+    return outputs, grads

@@ -1,0 +1,147 @@
+"""Send and recv records: where a worker's local autograd graph meets another worker's.
+
+For every message that carries tensors requiring grad, the sender records a :class:`SendRecord`
+(the tensors it sent, which are the edges into its local graph) and the receiver passes the
+tensors through :class:`_RecvFunction`, an autograd node whose backward ships the incoming
+gradients back to the sender. Both halves share one autograd message id, unique across workers.
+
+In backward, a gradient message for message id ``m`` arrives at the sender, which looks up
+``sends[m]`` and runs its local engine from those tensors with the received gradients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from distgrad.rpc import _agent
+from distgrad.rpc.context import DistAutogradContext
+
+__all__ = ["RecvRecord", "SendRecord", "attach_recv", "detach_for_send"]
+
+
+@dataclass
+class SendRecord:
+    """The sending half of a pair: the tensors sent (requiring grad) and where they went."""
+
+    message_id: int
+    to_worker: str
+    tensors: list[Tensor]
+    leaves: list[Tensor] | None = None  # leaves reachable from ``tensors``, found on first use
+    recv_ids: frozenset[int] | None = None  # recv message ids reachable (SMART lineage)
+
+
+@dataclass
+class RecvRecord:
+    """The receiving half of a pair: the sender to ship gradients to."""
+
+    message_id: int
+    from_worker: str
+    context_id: int
+
+
+class _RecvFunction(torch.autograd.Function):
+    """Identity in forward; in backward, ships the gradients to the sender and returns none."""
+
+    @staticmethod
+    def forward(ctx: Any, record: RecvRecord, anchor: Tensor, *tensors: Tensor) -> Any:
+        ctx.set_materialize_grads(False)  # unused outputs stay None and are not shipped as zeros
+        ctx.record = record
+        return tensors
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor | None) -> Any:
+        from distgrad.rpc.fast import ship_gradients
+
+        ship_gradients(ctx.record, list(grads))
+        return (None, None, *[None] * len(grads))
+
+
+def _map_tensors(obj: Any, fn: Callable[[Tensor], Tensor]) -> Any:
+    """``obj`` with ``fn`` applied to every tensor inside lists, tuples and dicts, in order."""
+    if isinstance(obj, Tensor):
+        return fn(obj)
+    if isinstance(obj, list):
+        return [_map_tensors(x, fn) for x in obj]
+    if isinstance(obj, tuple):
+        mapped = [_map_tensors(x, fn) for x in obj]
+        if hasattr(obj, "_fields"):  # namedtuple
+            return type(obj)(*mapped)
+        return tuple(mapped)
+    if isinstance(obj, dict):
+        return {k: _map_tensors(v, fn) for k, v in obj.items()}
+    return obj
+
+
+def detach_for_send(
+    ctx: DistAutogradContext, to_worker: str, payload: Any
+) -> tuple[Any, int | None, list[int]]:
+    """Detach the tensors in ``payload`` that require grad and record a send for them.
+
+    Returns the payload to transmit, the message id (``None`` if nothing requires grad) and the
+    positions, in traversal order, of the tensors that required grad.
+    """
+    sent: list[Tensor] = []
+    positions: list[int] = []
+    counter = [0]
+
+    def detach(t: Tensor) -> Tensor:
+        index = counter[0]
+        counter[0] += 1
+        if t.requires_grad and torch.is_grad_enabled():
+            sent.append(t)
+            positions.append(index)
+            return t.detach()
+        return t
+
+    out = _map_tensors(payload, detach)
+    with ctx.lock:
+        ctx.known_workers.add(to_worker)
+        if not sent:
+            return out, None, []
+        message_id = _agent.new_id()
+        ctx.sends[message_id] = SendRecord(message_id, to_worker, sent)
+    return out, message_id, positions
+
+
+def attach_recv(
+    ctx: DistAutogradContext,
+    from_worker: str,
+    payload: Any,
+    message_id: int | None,
+    positions: list[int],
+) -> Any:
+    """Pass the tensors at ``positions`` through a recv node of message ``message_id``."""
+    with ctx.lock:
+        ctx.known_workers.add(from_worker)
+    if message_id is None:
+        return payload
+    found: list[Tensor] = []
+    counter = [0]
+    wanted = set(positions)
+
+    def collect(t: Tensor) -> Tensor:
+        if counter[0] in wanted:
+            found.append(t)
+        counter[0] += 1
+        return t
+
+    _map_tensors(payload, collect)
+    record = RecvRecord(message_id, from_worker, ctx.context_id)
+    with torch.enable_grad():
+        outputs = _RecvFunction.apply(record, ctx.anchor, *found)
+    with ctx.lock:
+        ctx.recvs[message_id] = record
+    replaced = dict(zip(positions, outputs, strict=True))
+    counter[0] = 0
+
+    def substitute(t: Tensor) -> Tensor:
+        index = counter[0]
+        counter[0] += 1
+        return replaced.get(index, t)
+
+    return _map_tensors(payload, substitute)

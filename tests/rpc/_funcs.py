@@ -1,0 +1,83 @@
+"""Functions the RPC tests run on remote workers (module level, so they pickle)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+import distgrad.rpc as dgrpc
+from distgrad.errors import UnknownContextError
+
+Call = Callable[..., Any]
+
+
+def local_call(_to: str, fn: Call, args: tuple[Any, ...] = ()) -> Any:
+    return fn(*args)
+
+
+def remote_call(to: str, fn: Call, args: tuple[Any, ...] = ()) -> Any:
+    return dgrpc.rpc_sync(to, fn, args=args)
+
+
+def chain(x: Tensor, hops: list[str], local: bool) -> Tensor:
+    """x -> x * 1.5 + sin(x) on each hop in turn; the last hop squares."""
+    if not hops:
+        return x * x
+    call = local_call if local else remote_call
+    return call(hops[0], chain, (x * 1.5 + torch.sin(x), hops[1:], local))  # type: ignore[no-any-return]
+
+
+def scale_then_call_back(x: Tensor, back_to: str, local: bool) -> Tensor:
+    """A -> B -> A: B scales, A multiplies by itself, B adds a cosine."""
+    call = local_call if local else remote_call
+    y = call(back_to, torch.mul, (x * 3.0, x))
+    return y + torch.cos(x)  # type: ignore[no-any-return]
+
+
+def two_outputs(x: Tensor, y: Tensor) -> tuple[Tensor, Tensor, int]:
+    return x @ y, torch.tanh(x), 7
+
+
+def raise_in_backward(x: Tensor) -> Tensor:
+    return _Boom.apply(x)  # type: ignore[no-any-return]
+
+
+class _Boom(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        raise ValueError("boom in a backward function")
+
+
+_store: dict[str, Tensor] = {}
+
+
+def make_param(name: str, seed: int, shape: tuple[int, ...]) -> dgrpc.RRef[Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    _store[name] = torch.randn(*shape, dtype=torch.float64, generator=g, requires_grad=True)
+    return dgrpc.RRef(_store[name])
+
+
+def param_grad(context_id: int, name: str) -> Tensor | None:
+    grads = dgrpc.get_gradients(context_id)
+    return grads.get(_store[name])
+
+
+def context_known(context_id: int) -> tuple[bool, int, int]:
+    try:
+        from distgrad.rpc.context import lookup
+
+        ctx = lookup(context_id)
+    except UnknownContextError:
+        return False, 0, 0
+    return True, len(ctx.sends), len(ctx.recvs)
+
+
+def state() -> dict[str, int]:
+    return dgrpc.debug_state()
