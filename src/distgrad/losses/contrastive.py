@@ -8,6 +8,14 @@ computes the rows of the global loss that belong to this rank's anchors, so each
 Value and gradient: every rank returns the global mean loss; its gradient is world_size times
 that of its share, so that DistributedDataParallel's averaging gives exactly the single-process
 gradient (``_global.global_mean``).
+
+``block_size``: None (default) takes the dense path above. An int takes the memory-efficient
+path (``_ring``): the keys go round the ring of ranks instead of being gathered, and no rank
+ever holds more than ``[anchors, block_size]`` logits, forward or backward (the backward
+recomputes them). Same value and gradients; the dense path is faster for small batches.
+Communication of the ring path: forward W-1 point-to-point shifts of [max B_l, D] per
+gathered modality, backward W-1 shifts of [max B_l, 2D] (keys with their gradient
+accumulators) and one of [max B_l, D]; compute 4/3 of the dense path's matmuls.
 """
 
 from __future__ import annotations
