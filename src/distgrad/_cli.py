@@ -26,6 +26,13 @@ class UsageError(Exception):
     """A bad argument, reported in one line with exit code 2."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a bad argument reported in one line (and a pointer to --help)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -50,8 +57,20 @@ def _positive(text: str) -> int:
     return value
 
 
+def _sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected whole numbers separated by commas, got {text!r}"
+        ) from None
+    if min(sizes) < 0:
+        raise argparse.ArgumentTypeError(f"sizes must not be negative, got {text!r}")
+    return sizes
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="distgrad",
         description="Differentiable collectives with gradients checked against one process.",
     )
@@ -67,7 +86,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--world-size", type=_positive, default=2, help="processes (default 2)")
     demo.add_argument("--steps", type=_positive, default=60, help="SGD steps (default 60)")
-    demo.add_argument("--batch", type=_positive, default=64, help="global batch (default 64)")
+    demo.add_argument(
+        "--batch",
+        type=_positive,
+        default=None,
+        help="global batch, a multiple of --world-size (default 32 per process)",
+    )
     demo.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     demo.add_argument(
         "--output",
@@ -97,6 +121,15 @@ def _parser() -> argparse.ArgumentParser:
         default="averaged",
         help="how training combines the ranks' gradients (default: averaged, as DDP does)",
     )
+    check.add_argument(
+        "--shard-sizes",
+        type=_sizes,
+        default=None,
+        metavar="N,N,...",
+        help="rows per rank, e.g. 3,1 (default: as even as possible)",
+    )
+    check.add_argument("--rtol", type=float, default=None, help="relative tolerance")
+    check.add_argument("--atol", type=float, default=None, help="absolute tolerance")
     check.add_argument("--timeout", type=float, default=120.0, help="seconds (default 120)")
     check.set_defaults(run=_run_check)
     return parser
@@ -110,11 +143,10 @@ def _run_demo(args: argparse.Namespace) -> int:
     from distgrad.testing import run_on_ranks
 
     out = _writable_folder(args.output)
-    if args.batch % args.world_size:
-        raise UsageError(
-            f"--batch {args.batch} must divide evenly over --world-size {args.world_size}"
-        )
-    settings = train.Settings(args.world_size, args.steps, args.batch, args.seed)
+    batch = 32 * args.world_size if args.batch is None else args.batch
+    if batch % args.world_size:
+        raise UsageError(f"--batch {batch} must divide evenly over --world-size {args.world_size}")
+    settings = train.Settings(args.world_size, args.steps, batch, args.seed)
     started = time.perf_counter()
     print(
         f"distgrad demo: {settings.steps} steps, global batch {settings.batch}, "
@@ -155,26 +187,73 @@ def _writable_folder(path: Path) -> Path:
 
 
 def _run_check(args: argparse.Namespace) -> int:
+    from distgrad.errors import RankFailedError
     from distgrad.testing import check_against_single_process
+    from distgrad.testing.gradcheck import CheckArgumentError, NotALossError
 
     module, name = _load_target(args.target)
     fn = _attribute(module, name, args.target)
     make_inputs = _attribute(module, args.inputs, f"{module.__name__}:{args.inputs}")
     make_model = _model_factory(module, args.model)
-    inputs = make_inputs()
-    if not isinstance(inputs, (Mapping, Sequence)) or isinstance(inputs, torch.Tensor):
-        inputs = (inputs,)
+    inputs = _global_batch(make_inputs, f"{module.__name__}:{args.inputs}")
     _check_signature(fn, name, len(inputs), make_model is not None)
-    report = check_against_single_process(
-        fn,
-        inputs,
-        world_size=args.world_size,
-        model=make_model,
-        gradients=args.gradients,
-        timeout=args.timeout,
-    )
+    try:
+        report = check_against_single_process(
+            fn,
+            inputs,
+            world_size=args.world_size,
+            model=make_model,
+            shard_sizes=args.shard_sizes,
+            gradients=args.gradients,
+            rtol=args.rtol,
+            atol=args.atol,
+            timeout=args.timeout,
+        )
+    except NotALossError as exc:
+        raise UsageError(f"{name}: {exc}") from None
+    except CheckArgumentError as exc:
+        raise UsageError(str(exc)) from None
+    except RankFailedError as exc:
+        print(f"distgrad check: {name} failed on the ranks:\n{exc}", file=sys.stderr)
+        return 1
+    except Exception:
+        return _function_failed(name)
     print(report)
     return 0 if report.ok else 1
+
+
+def _function_failed(name: str) -> int:
+    """The user's function (or model factory) raised in the single-process run."""
+    import traceback
+
+    print(f"distgrad check: {name} failed in the single-process run:", file=sys.stderr)
+    traceback.print_exc()
+    return 1
+
+
+def _global_batch(
+    make_inputs: Callable[..., Any], label: str
+) -> Mapping[str, torch.Tensor] | Sequence[torch.Tensor]:
+    try:
+        inputs = make_inputs()
+    except Exception as exc:
+        raise UsageError(f"{label}() raised {type(exc).__name__}: {exc}") from None
+    if isinstance(inputs, torch.Tensor):
+        return (inputs,)
+    values = list(inputs.values()) if isinstance(inputs, Mapping) else inputs
+    if not isinstance(inputs, (Mapping, tuple, list)) or not all(
+        isinstance(v, torch.Tensor) for v in values
+    ):
+        found = type(inputs).__name__
+        if isinstance(inputs, (Mapping, tuple, list)):
+            found += " holding " + ", ".join(sorted({type(v).__name__ for v in values}))
+        raise UsageError(
+            f"{label}() must return the global batch as a tensor, a tuple or list of tensors, "
+            f"or a dict of name to tensor; got {found}"
+        )
+    if not values:
+        raise UsageError(f"{label}() returned no tensors")
+    return inputs
 
 
 def _load_target(target: str) -> tuple[ModuleType, str]:

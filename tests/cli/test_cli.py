@@ -6,10 +6,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "check_info_nce.py"
+TARGETS = Path(__file__).resolve().parent / "targets.py"
 
 
 def distgrad(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
@@ -22,11 +21,34 @@ def distgrad(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
     )
 
 
-@pytest.mark.parametrize("args", [["--help"], ["demo", "--help"], ["check", "--help"]])
-def test_help_is_there_for_every_command(args: list[str]) -> None:
-    result = distgrad(*args)
-    assert result.returncode == 0
-    assert "usage: distgrad" in result.stdout
+def distgrad_many(commands: list[list[str]]) -> list[subprocess.CompletedProcess[str]]:
+    """Run several short commands at once: each spends its ~2 s importing torch."""
+    procs = [
+        subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT
+        )
+        for command in commands
+    ]
+    results = []
+    for command, proc in zip(commands, procs, strict=True):
+        out, err = proc.communicate(timeout=120)
+        results.append(subprocess.CompletedProcess(command, proc.returncode, out, err))
+    return results
+
+
+CONSOLE_SCRIPT = Path(sys.executable).parent / "distgrad"
+
+
+def test_help_is_there_for_every_command_and_the_console_script() -> None:
+    module = [sys.executable, "-m", "distgrad"]
+    commands = [[*module, "--help"], [*module, "demo", "--help"], [*module, "check", "--help"]]
+    if CONSOLE_SCRIPT.exists():  # installed with pip install -e .
+        commands.append([str(CONSOLE_SCRIPT), "--help"])
+    results = distgrad_many(commands)
+    for result in results:
+        assert result.returncode == 0, (result.args, result.stderr)
+        assert "usage: distgrad" in result.stdout, result.args
+    assert "make_inputs()" in results[2].stdout
 
 
 def test_demo_runs_and_distgrad_tracks_one_process_while_naive_drifts(tmp_path: Path) -> None:
@@ -54,29 +76,60 @@ def test_check_exits_1_with_a_diagnosis_on_a_mismatch() -> None:
     assert "MISMATCH" in result.stdout and "Diagnosis:" in result.stdout
 
 
+def test_check_takes_uneven_shard_sizes_and_tolerances() -> None:
+    """A global loss is right on any shards; the example's even-shard offsets are not."""
+    result = distgrad(
+        "check", f"{TARGETS}:global_loss", "--world-size", "2", "--shard-sizes", "5,1",
+        "--rtol", "1e-9", "--atol", "1e-12",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    result = distgrad("check", f"{EXAMPLE}:info_nce", "--shard-sizes", "5,3")
+    assert result.returncode == 1
+    assert "the forward pass already differs" in result.stdout
+
+
+def test_check_exits_1_with_the_traceback_when_the_function_raises() -> None:
+    result = distgrad("check", f"{TARGETS}:raises")
+    assert result.returncode == 1
+    assert "raises failed in the single-process run" in result.stderr
+    assert "a bug in the user's loss" in result.stderr
+    result = distgrad("check", f"{TARGETS}:raises_on_rank_1")
+    assert result.returncode == 1
+    assert "raises_on_rank_1 failed on the ranks" in result.stderr
+    assert "rank 1: RuntimeError: a bug on rank 1" in result.stderr
+
+
 def test_check_accepts_a_module_name(tmp_path: Path) -> None:
     result = distgrad("check", "check_info_nce:info_nce", "--world-size", "1", cwd=EXAMPLE.parent)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-@pytest.mark.parametrize(
-    ("args", "message"),
-    [
-        (["check", "no_such_module_xyz:f"], "cannot import module 'no_such_module_xyz'"),
-        (["check", "missing_file.py:f"], "no such file: missing_file.py"),
-        (["check", f"{EXAMPLE}:nope"], "has no 'nope'"),
-        (["check", f"{EXAMPLE}:make_model"], "cannot take the model and 2 input tensor(s)"),
-        (["check", "just_a_name"], "TARGET must look like MODULE:FUNCTION"),
-        (["check", f"{EXAMPLE}:info_nce", "--world-size", "0"], "must be at least 1"),
-        (["demo", "--world-size", "0"], "must be at least 1"),
-        (
-            ["demo", "--output", "/proc/distgrad-cannot-write-here"],
-            "cannot create the output folder",
-        ),
-    ],
-)
-def test_bad_arguments_give_one_line_and_exit_2(args: list[str], message: str) -> None:
-    result = distgrad(*args)
-    assert result.returncode == 2, result.stdout + result.stderr
-    assert message in result.stderr
-    assert "Traceback" not in result.stderr
+BAD: list[tuple[list[str], str]] = [
+    (["check", "no_such_module_xyz:f"], "cannot import module 'no_such_module_xyz'"),
+    (["check", "missing_file.py:f"], "no such file: missing_file.py"),
+    (["check", f"{EXAMPLE}:nope"], "has no 'nope'"),
+    (["check", f"{EXAMPLE}:make_model"], "cannot take the model and 2 input tensor(s)"),
+    (["check", "just_a_name"], "TARGET must look like MODULE:FUNCTION"),
+    (["check", f"{TARGETS}:returns_a_matrix"], "must return this rank's loss as a scalar"),
+    (
+        ["check", f"{TARGETS}:global_loss", "--inputs", "not_tensors"],
+        "not_tensors() must return the global batch as a tensor",
+    ),
+    (["check", f"{TARGETS}:global_loss", "--shard-sizes", "5,x"], "separated by commas"),
+    (["check", f"{TARGETS}:global_loss", "--shard-sizes", "5,2"], "adding up to 6"),
+    (["check", f"{EXAMPLE}:info_nce", "--world-size", "0"], "must be at least 1"),
+    (["demo", "--world-size", "0"], "must be at least 1"),
+    (
+        ["demo", "--output", "/proc/distgrad-cannot-write-here"],
+        "cannot create the output folder",
+    ),
+]
+
+
+def test_bad_arguments_give_one_line_and_exit_2() -> None:
+    """Every case is its own process, run side by side; each must exit 2 with one line."""
+    results = distgrad_many([[sys.executable, "-m", "distgrad", *args] for args, _ in BAD])
+    for (args, message), result in zip(BAD, results, strict=True):
+        assert result.returncode == 2, (args, result.stdout + result.stderr)
+        assert message in result.stderr, (args, result.stderr)
+        assert result.stderr.count("\n") == 1, (args, result.stderr)

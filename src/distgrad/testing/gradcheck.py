@@ -38,6 +38,14 @@ __all__ = ["check_against_single_process"]
 Inputs = Mapping[str, Tensor] | Sequence[Tensor]
 
 
+class NotALossError(TypeError):
+    """The checked function returned something other than a scalar tensor."""
+
+
+class CheckArgumentError(ValueError):
+    """The checker was given arguments it cannot use (before any process starts)."""
+
+
 @dataclass(frozen=True)
 class _Job:
     """Everything a rank needs, pickled to it."""
@@ -98,9 +106,9 @@ def check_against_single_process(
     :class:`~distgrad.errors.GradientMismatchError` with the report's table and diagnosis.
     """
     if world_size < 1:
-        raise ValueError(f"world_size must be at least 1, got {world_size}")
+        raise CheckArgumentError(f"world_size must be at least 1, got {world_size}")
     if gradients not in ("averaged", "summed"):
-        raise ValueError(f"gradients must be 'averaged' or 'summed', got {gradients!r}")
+        raise CheckArgumentError(f"gradients must be 'averaged' or 'summed', got {gradients!r}")
     names, tensors = _normalise(inputs)
     sizes = _shard_sizes(tensors, shard_dim, shard_sizes, world_size)
     rtol, atol = _tolerances(tensors, rtol, atol)
@@ -142,7 +150,7 @@ def _normalise(inputs: Inputs) -> tuple[tuple[str, ...], tuple[Tensor, ...]]:
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if not tensors:
-        raise ValueError("inputs is empty: give the global batch the function runs on")
+        raise CheckArgumentError("inputs is empty: give the global batch the function runs on")
     return names, tensors
 
 
@@ -155,7 +163,7 @@ def _shard_sizes(
 ) -> list[int]:
     lengths = {t.shape[dim] for t in tensors if _shardable(t)}
     if len(lengths) != 1:
-        raise ValueError(
+        raise CheckArgumentError(
             f"every input must have the same length along shard_dim={dim}, got {sorted(lengths)}"
         )
     total = lengths.pop()
@@ -163,7 +171,7 @@ def _shard_sizes(
         base, extra = divmod(total, world_size)
         return [base + (1 if r < extra else 0) for r in range(world_size)]
     if len(sizes) != world_size or sum(sizes) != total or min(sizes) < 0:
-        raise ValueError(
+        raise CheckArgumentError(
             f"shard_sizes must be {world_size} non-negative ints adding up to {total}, "
             f"got {list(sizes)}"
         )
@@ -194,7 +202,7 @@ def _run_once(
     leaves = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in tensors]
     loss = fn(model, *leaves) if model is not None else fn(*leaves)
     if not isinstance(loss, Tensor) or loss.numel() != 1:
-        raise TypeError(
+        raise NotALossError(
             "the checked function must return this rank's loss as a scalar tensor, got "
             f"{type(loss).__name__}{'' if not isinstance(loss, Tensor) else tuple(loss.shape)}"
         )
