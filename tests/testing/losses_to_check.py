@@ -106,6 +106,21 @@ def scaled_on_rank_1(q: Tensor, k: Tensor) -> Tensor:
     return right(q, k)
 
 
+def cut_on_rank_1(q: Tensor, k: Tensor) -> Tensor:
+    """Rank 1's keys take part in the gather, but no gradient flows back to them."""
+    if _rank() == 1:
+        k = k * 0 + k.detach()
+    return right(q, k)
+
+
+def scaled_by_rank(q: Tensor, k: Tensor) -> Tensor:
+    """Every rank's key gradient is off, by a different factor on each rank (distributed only)."""
+    k = k * 1.0
+    factor = 2.0 + _rank() if dist.is_initialized() else 1.0
+    k.register_hook(lambda g: factor * g)
+    return right(q, k)
+
+
 def nan_on_rank_1(q: Tensor, k: Tensor) -> Tensor:
     if _rank() == 1:
         k = k * float("nan")
