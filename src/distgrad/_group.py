@@ -27,6 +27,9 @@ class Group:
     pg: ProcessGroup | None
     rank: int
     size: int
+    # Which distgrad call on this group an op's plan came from (its handshake's call count), so
+    # debug mode can check that every rank's backward answers the same forward call.
+    call: int = -1
 
     def global_rank(self, group_rank: int) -> int:
         """The global rank of the process with rank ``group_rank`` in this group."""

@@ -1,11 +1,13 @@
 """The metadata handshake that runs before every collective's data moves.
 
 Each rank describes its call in one small int64 vector (which op, whether debug mode is on,
-dtype, device type, requires_grad, shape, the op's integer arguments, and whether its own
-arguments are invalid); one ``all_gather`` of these vectors lets every rank check
-every other rank's call. Bad input then becomes the same Python error on every rank instead of
-a hang, a process abort inside gloo, or a silently wrong result, and the ops learn the per-rank
-sizes they need (uneven all_gather, gather, all_to_all) from the same exchange.
+dtype, device type, requires_grad, shape, the op's integer arguments, whether its own
+arguments are invalid, and how many distgrad calls it has made on this group before); one
+``all_gather`` of these vectors lets every rank check every other rank's call. Bad input then
+becomes the same Python error on every rank instead of a hang, a process abort inside gloo, or a
+silently wrong result (the call count catches a rank that skipped a call even when its next call
+looks like the one its peers make), and the ops learn the per-rank sizes they need (uneven
+all_gather, gather, all_to_all) from the same exchange.
 
 Cost: one all_gather of ``_WIDTH`` int64 per rank, per forward call (tens of microseconds on
 loopback gloo; see ``docs/semantics.md`` for the measurement). Debug mode
@@ -33,7 +35,7 @@ __all__ = ["RankCall", "debug_enabled", "exchange", "require_same", "set_debug"]
 _MAGIC = 0x6469737467726164 & 0x7FFFFFFFFFFFFFFF  # "distgrad"
 _MAX_DIMS = 12
 _MAX_ARGS = 10
-_HEADER = 8  # magic, op, debug, problem, has_tensor, dtype, device, requires_grad
+_HEADER = 9  # magic, op, debug, problem, has_tensor, dtype, device, requires_grad, call
 _WIDTH = _HEADER + 1 + _MAX_DIMS + 1 + _MAX_ARGS
 
 _OPS = (
@@ -67,6 +69,23 @@ _DEVICES = ("cpu", "cuda", "xpu", "mps", "meta")
 
 _debug = os.environ.get("DISTGRAD_DEBUG", "") not in ("", "0")
 
+# How many distgrad calls this process has made on each group, keyed by the group object's id
+# and name (a ProcessGroup takes no attributes and no weak references; the name guards against
+# a reused id). Every rank of a group counts the same calls, so a difference means a rank
+# skipped a call or made an extra one.
+_calls: dict[tuple[int, str], int] = {}
+
+
+def _call_key(group: Group) -> tuple[int, str]:
+    return (id(group.pg), str(getattr(group.pg, "group_name", "")))
+
+
+def _next_call(group: Group) -> int:
+    key = _call_key(group)
+    count = _calls.get(key, 0)
+    _calls[key] = count + 1
+    return count
+
 
 def set_debug(enabled: bool) -> None:
     """Turn debug checks on or off for this process (the default comes from ``DISTGRAD_DEBUG``).
@@ -98,15 +117,18 @@ class RankCall:
     requires_grad: bool
     shape: tuple[int, ...]
     args: tuple[int, ...]
+    call: int = 0  # how many distgrad calls this rank made on the group before this one
 
 
-def _encode(op: str, x: Tensor | None, args: Sequence[int], problem: bool) -> list[int]:
+def _encode(
+    op: str, x: Tensor | None, args: Sequence[int], problem: bool, call: int = 0
+) -> list[int]:
     has = x is not None
     dtype = _DTYPES.index(x.dtype) if x is not None and x.dtype in _DTYPES else -1
     device = _DEVICES.index(x.device.type) if x is not None and x.device.type in _DEVICES else -1
     shape = list(x.shape) if x is not None else []
     vec = [_MAGIC, _OPS.index(op), int(_debug), int(problem), int(has), dtype, device]
-    vec.append(int(x is not None and x.requires_grad))
+    vec += [int(x is not None and x.requires_grad), call]
     vec += [len(shape), *shape, *[0] * (_MAX_DIMS - len(shape))]
     vec += [len(args), *args, *[0] * (_MAX_ARGS - len(args))]
     assert len(vec) == _WIDTH
@@ -128,6 +150,7 @@ def _decode(rank: int, vec: list[int]) -> RankCall:
         requires_grad=bool(vec[7]),
         shape=shape,
         args=tuple(vec[args_at : args_at + nargs]),
+        call=vec[8],
     )
 
 
@@ -153,8 +176,9 @@ def exchange(
         if problem is not None:
             raise CollectiveArgumentError(f"{desc} on rank {group.rank}: {problem}")
         return [_decode(group.rank, _encode(op, x, args, False))]
+    call = _next_call(group)
     mine = torch.tensor(
-        _encode(op, None if problem else x, args if not problem else (), problem is not None),
+        _encode(op, None if problem else x, args if not problem else (), problem is not None, call),
         dtype=torch.int64,
         device=_comm.metadata_device(group),
     )
@@ -183,6 +207,15 @@ def _check_same_call(desc: str, group: Group, calls: list[RankCall], rows: list[
             f"{desc} on rank {group.rank}: some ranks are not inside a distgrad collective at "
             "this point (they called a raw torch.distributed collective or another library); "
             "every rank must make the same sequence of calls"
+        )
+    if any(c.call != calls[0].call for c in calls):
+        # Resynchronise first, so that the group stays usable if the caller handles the error.
+        _calls[_call_key(group)] = max(c.call for c in calls) + 1
+        listing = describe_ranks(calls, lambda c: f"its call {c.call + 1}, {c.op}")
+        raise CollectiveMismatchError(
+            f"{desc} on rank {group.rank}: ranks are at different distgrad calls on this group "
+            f"({listing}); a rank skipped a call or made an extra one, and every rank must make "
+            "the same sequence of calls"
         )
     require_same(
         desc,

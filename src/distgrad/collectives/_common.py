@@ -11,7 +11,7 @@ in the communication) and returns no gradient for its input.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import torch
@@ -29,6 +29,7 @@ __all__ = [
     "ReduceOp",
     "anchor",
     "apply",
+    "at_call",
     "check_shapes_equal",
     "check_shapes_except",
     "from_front",
@@ -157,6 +158,11 @@ def handshake(
             "every rank must pass tensors on the same kind of device",
         )
     return calls
+
+
+def at_call(group: Group, calls: Sequence[RankCall]) -> Group:
+    """``group`` marked with the call its handshake just made (debug mode checks backward order)."""
+    return replace(group, call=calls[0].call)
 
 
 def _arg_value(index: int, arg: Arg) -> Callable[[RankCall], object]:

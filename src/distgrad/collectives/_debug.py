@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import zlib
+
 import torch
 from torch import Tensor
 
@@ -17,12 +19,15 @@ def check_backward_order(op: str, group: Group, grad: Tensor | None = None) -> N
     """Every rank must be in the backward of the same op, with the same gradient shape.
 
     Autograd orders backward nodes by the local graph, so ranks whose losses use the outputs of
-    several collectives differently can reach them in different orders and pair the wrong ones.
+    several collectives differently (or that ask ``torch.autograd.grad`` for different inputs
+    first) can reach them in different orders and pair the wrong ones. ``group.call`` names the
+    forward call the node came from, so two backwards of the same op and shape are told apart.
     """
     if not debug_enabled() or group.size == 1:
         return
     desc = f"backward of {op}"
-    calls = exchange("backward", desc, group, grad, [hash(op)])
+    # crc32, not hash(): str hashes differ between processes started separately (torchrun).
+    calls = exchange("backward", desc, group, grad, [zlib.crc32(op.encode()), group.call])
     require_same(
         desc,
         group,
@@ -30,7 +35,8 @@ def check_backward_order(op: str, group: Group, grad: Tensor | None = None) -> N
         "which collective's backward they run",
         lambda c: c.args,
         "ranks reached their backward collectives in different orders; make every "
-        "rank's loss use the collective outputs in the same way",
+        "rank back-propagate through the collective outputs in the same order",
+        shown=lambda c: f"the backward of its distgrad call {c.args[1] + 1}",
     )
     require_same(
         desc,

@@ -149,6 +149,7 @@ def all_gather(
         ],
         problem,
     )
+    g = c.at_call(g, calls)
     c.check_shapes_except(desc, g, calls, dim)
     sizes = tuple(call.shape[dim] for call in calls)
     return apply_all_gather(x, g, sizes, dim, objective, c.needs_grad(calls))
@@ -201,6 +202,7 @@ def reduce_scatter(
         ],
         problem,
     )
+    g = c.at_call(g, calls)
     c.check_shapes_equal(desc, g, calls)
     required = c.needs_grad(calls)
     c.check_grad_dtype(desc, op, x.dtype, required)

@@ -110,6 +110,7 @@ def all_reduce(
         ],
         problem,
     )
+    g = c.at_call(g, calls)
     c.check_shapes_equal(desc, g, calls)
     required = c.needs_grad(calls)
     c.check_grad_dtype(desc, op, x.dtype, required)

@@ -93,6 +93,7 @@ def all_to_all(
     if problem is None and output_sizes is not None:
         problem = _output_sizes_problem(output_sizes, g.size)
     calls = c.handshake("all_to_all", desc, g, x, [c.Arg("dim", dim)], problem)
+    g = c.at_call(g, calls)
     c.check_shapes_except(desc, g, calls, dim)
     received = _exchange_sizes(desc, g, sent, output_sizes)
     return apply_all_to_all(x, g, sent, received, dim, c.needs_grad(calls))

@@ -102,6 +102,7 @@ def broadcast(
         ],
         problem,
     )
+    g = c.at_call(g, calls)
     c.check_shapes_equal(desc, g, calls)
     if g.size == 1:
         return x.clone()
@@ -148,6 +149,7 @@ def reduce(
         ],
         problem,
     )
+    g = c.at_call(g, calls)
     c.check_shapes_equal(desc, g, calls)
     required = c.needs_grad(calls)
     c.check_grad_dtype(desc, op, x.dtype, required)

@@ -109,6 +109,7 @@ def gather(x: Tensor, dst: int, group: ProcessGroup | None = None, *, dim: int =
         [c.Arg("dst", dst if problem is None else -1), c.Arg("dim", dim)],
         problem,
     )
+    g = c.at_call(g, calls)
     c.check_shapes_except(desc, g, calls, dim)
     sizes = tuple(call.shape[dim] for call in calls)
     return apply_gather(x, g, sizes, dim, dst, c.needs_grad(calls))
@@ -163,6 +164,7 @@ def scatter(
         ],
         problem,
     )
+    g = c.at_call(g, calls)
     source = calls[src]
     dim = dim % len(source.shape)
     plan_sizes = _agree_sizes(desc, g, src, sizes, bool(source.args[2]), source.shape[dim])

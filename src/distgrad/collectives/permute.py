@@ -75,6 +75,7 @@ def permute(x: Tensor, perm: Sequence[int], group: ProcessGroup | None = None) -
         [c.Arg("perm (as a hash)", hash(perm) if problem is None else 0)],
         problem,
     )
+    g = c.at_call(g, calls)
     if g.size == 1:
         return x.clone()
     source = perm.index(g.rank)
