@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 from torch import Tensor
 
@@ -158,7 +159,8 @@ def _check_cases(rank: int, world_size: int, names: list[str], mode: str) -> lis
     return done
 
 
-def test_fast_backward_matches_local_autograd() -> None:
+@pytest.mark.parametrize("mode", ["fast", "smart"])
+def test_backward_matches_local_autograd(mode: str) -> None:
     """Every case on 3 workers (the chain needs a third); float32 case compared at 1e-5."""
     names = list(CASES)
-    assert run_on_ranks(_check_cases, 3, args=(names, "fast"), init="rpc")[0] == names
+    assert run_on_ranks(_check_cases, 3, args=(names, mode), init="rpc")[0] == names

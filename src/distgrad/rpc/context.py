@@ -62,6 +62,8 @@ class DistAutogradContext:
         self.active_pass: _Pass | None = None
         self.passes_in_flight = 0
         self.graph_freed = False
+        self.smart_passes: dict[int, Any] = {}  # pass id -> this worker's SMART state
+        self.aborted_passes: set[int] = set()
 
     def accumulate(self, tensor: Tensor, grad: Tensor) -> None:
         """Add ``grad`` to the gradient stored for ``tensor`` (out of place)."""
@@ -215,6 +217,7 @@ def debug_state() -> dict[str, int]:
     return {
         "contexts": len(contexts),
         "passes_in_flight": sum(c.passes_in_flight for c in contexts),
+        "smart_passes": sum(len(c.smart_passes) for c in contexts),
         "sends": sum(len(c.sends) for c in contexts),
         "recvs": sum(len(c.recvs) for c in contexts),
     }

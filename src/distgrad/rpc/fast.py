@@ -33,7 +33,7 @@ from torch.distributed import rpc as torch_rpc
 from distgrad.errors import RpcAutogradError
 from distgrad.rpc import _agent
 from distgrad.rpc.context import DistAutogradContext, _Pass, lookup
-from distgrad.rpc.send_recv import RecvRecord, SendRecord
+from distgrad.rpc.send_recv import SendRecord
 
 __all__ = ["backward", "ship_gradients"]
 
@@ -82,9 +82,10 @@ def run_phase(
             ctx.accumulate(leaf, grad.clone() if id(grad) in given else grad)
 
 
-def ship_gradients(record: RecvRecord, grads: list[Tensor | None]) -> None:
+def ship_gradients(context_id: int, message_id: int, grads: list[Tensor | None]) -> None:
     """Called by a recv node in backward: send ``grads`` to the worker that sent the tensors."""
-    ctx = lookup(record.context_id)
+    ctx = lookup(context_id)
+    record = ctx.recvs[message_id]
     active = ctx.active_pass
     assert active is not None, "a recv node ran outside a distributed backward phase"
     budget = max(active.deadline - time.monotonic() - _HOP_MARGIN_S, 0.1)
@@ -226,7 +227,7 @@ def backward(
     if mode == "smart":
         from distgrad.rpc.smart import smart_backward
 
-        smart_backward(ctx, pass_id, budget, outputs, grads)
+        smart_backward(ctx, pass_id, budget, outputs, grads, retain_graph)
     else:
         try:
             _run_and_wait(ctx, pass_id, budget, outputs, grads, find_leaves(outputs))

@@ -21,7 +21,14 @@ from torch import Tensor
 from distgrad.rpc import _agent
 from distgrad.rpc.context import DistAutogradContext
 
-__all__ = ["RecvRecord", "SendRecord", "attach_recv", "detach_for_send"]
+__all__ = ["RecvRecord", "SendRecord", "attach_recv", "detach_for_send", "is_recv_node"]
+
+_RECV_NODE_NAME = "_RecvFunctionBackward"
+
+
+def is_recv_node(node: Any) -> bool:
+    """Whether an autograd node is the recv node of a message."""
+    return type(node).__name__ == _RECV_NODE_NAME
 
 
 @dataclass
@@ -32,7 +39,8 @@ class SendRecord:
     to_worker: str
     tensors: list[Tensor]
     leaves: list[Tensor] | None = None  # leaves reachable from ``tensors``, found on first use
-    recv_ids: frozenset[int] | None = None  # recv message ids reachable (SMART lineage)
+    reach: dict[int, Any] | None = None  # SMART: id -> node for every node reachable
+    recvs_reached: list[tuple[int, str]] | None = None  # SMART: (recv message id, its sender)
 
 
 @dataclass
@@ -42,23 +50,27 @@ class RecvRecord:
     message_id: int
     from_worker: str
     context_id: int
+    num_outputs: int
 
 
 class _RecvFunction(torch.autograd.Function):
     """Identity in forward; in backward, ships the gradients to the sender and returns none."""
 
     @staticmethod
-    def forward(ctx: Any, record: RecvRecord, anchor: Tensor, *tensors: Tensor) -> Any:
+    def forward(ctx: Any, context_id: int, message_id: int, anchor: Tensor, *tensors: Tensor) -> Any:
         ctx.set_materialize_grads(False)  # unused outputs stay None and are not shipped as zeros
-        ctx.record = record
+        # Ids only, no record: a record holding the node that holds the record would be a cycle
+        # through C++ that the garbage collector cannot see.
+        ctx.context_id = context_id
+        ctx.message_id = message_id
         return tensors
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor | None) -> Any:
         from distgrad.rpc.fast import ship_gradients
 
-        ship_gradients(ctx.record, list(grads))
-        return (None, None, *[None] * len(grads))
+        ship_gradients(ctx.context_id, ctx.message_id, list(grads))
+        return (None, None, None, *[None] * len(grads))
 
 
 def _map_tensors(obj: Any, fn: Callable[[Tensor], Tensor]) -> Any:
@@ -131,9 +143,9 @@ def attach_recv(
         return t
 
     _map_tensors(payload, collect)
-    record = RecvRecord(message_id, from_worker, ctx.context_id)
+    record = RecvRecord(message_id, from_worker, ctx.context_id, len(found))
     with torch.enable_grad():
-        outputs = _RecvFunction.apply(record, ctx.anchor, *found)
+        outputs = _RecvFunction.apply(ctx.context_id, message_id, ctx.anchor, *found)
     with ctx.lock:
         ctx.recvs[message_id] = record
     replaced = dict(zip(positions, outputs, strict=True))
