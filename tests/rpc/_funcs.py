@@ -81,3 +81,60 @@ def context_known(context_id: int) -> tuple[bool, int, int]:
 
 def state() -> dict[str, int]:
     return dgrpc.debug_state()
+
+
+def chain_boom(x: Tensor, hops: list[str]) -> Tensor:
+    """Like ``chain``, but the last hop's backward raises."""
+    if not hops:
+        return raise_in_backward(x * x)
+    return remote_call(hops[0], chain_boom, (x + 1.0, hops[1:]))  # type: ignore[no-any-return]
+
+
+def open_context_id() -> int:
+    with dgrpc.context() as context_id:
+        return context_id
+
+
+def add_plain(x: Tensor, y: Tensor) -> Tensor:
+    return x + y
+
+
+_hook_calls: list[int] = [0]
+
+
+def fan_out_and_back(x: Tensor, to: str) -> Tensor:
+    """On B: h = 2x is sent to ``to`` twice; a hook on h counts how often its gradient is made."""
+    h = x * 2.0
+    h.register_hook(lambda g: _count_hook(g))
+    r1 = remote_call(to, torch.sin, (h,))
+    r2 = remote_call(to, torch.cos, (h,))
+    return r1 * r2
+
+
+def fan_out_local(x: Tensor) -> Tensor:
+    h = x * 2.0
+    return torch.sin(h) * torch.cos(h)
+
+
+def _count_hook(g: Tensor) -> None:
+    _hook_calls[0] += 1
+
+
+def hook_calls() -> int:
+    return _hook_calls[0]
+
+
+def die_soon() -> None:
+    import os
+    import threading
+
+    threading.Timer(0.2, lambda: os._exit(0)).start()
+
+
+def apply_param(rref: dgrpc.RRef[Tensor], x: Tensor) -> Tensor:
+    return torch.tanh(x @ rref.local_value())
+
+
+class FailingSGD(torch.optim.SGD):
+    def step(self, closure: Any = None) -> Any:
+        raise RuntimeError("this optimizer always fails")

@@ -13,6 +13,7 @@ knows of), also when the block raised.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import threading
 from collections.abc import Iterator
@@ -82,6 +83,8 @@ class DistAutogradContext:
 
 
 _registry: dict[int, DistAutogradContext] = {}
+# Running totals on this worker, for tests and the benchmark (see debug_state).
+counters: collections.Counter[str] = collections.Counter()
 _registry_lock = threading.Lock()
 _local = threading.local()
 
@@ -211,10 +214,19 @@ def get_gradients(context_id: int) -> dict[Tensor, Tensor]:
 
 
 def debug_state() -> dict[str, int]:
-    """Counts for leak checks on this worker: live contexts, backward passes in flight, records."""
+    """Counts on this worker, for leak checks and message accounting.
+
+    ``contexts`` (live), ``passes_in_flight`` (backward work running or waiting for answers),
+    ``smart_passes`` (SMART state held), ``sends`` and ``recvs`` (records in live contexts), and
+    running totals since the worker started: ``gradient_messages_sent``,
+    ``gradient_tensors_sent`` (``None`` gradients are not counted: they travel as ``None``),
+    ``gradient_messages_received``, ``lineage_messages_sent``, ``engine_runs`` (calls of the
+    local autograd engine).
+    """
     with _registry_lock:
         contexts = list(_registry.values())
     return {
+        **counters,
         "contexts": len(contexts),
         "passes_in_flight": sum(c.passes_in_flight for c in contexts),
         "smart_passes": sum(len(c.smart_passes) for c in contexts),

@@ -22,6 +22,7 @@ Gradients for leaves accumulate in the context (``get_gradients``), never in ``.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -32,7 +33,7 @@ from torch.distributed import rpc as torch_rpc
 
 from distgrad.errors import RpcAutogradError
 from distgrad.rpc import _agent
-from distgrad.rpc.context import DistAutogradContext, _Pass, lookup
+from distgrad.rpc.context import DistAutogradContext, _Pass, counters, lookup
 from distgrad.rpc.send_recv import SendRecord
 
 __all__ = ["backward", "ship_gradients"]
@@ -75,6 +76,7 @@ def run_phase(
     later message of the same pass may reach the same nodes.
     """
     inputs = [*leaves, ctx.anchor]
+    counters["engine_runs"] += 1
     found = torch.autograd.grad(outputs, inputs, grads, retain_graph=True, allow_unused=True)
     given = {id(g) for g in grads}
     for leaf, grad in zip(leaves, found[:-1], strict=True):
@@ -96,6 +98,8 @@ def ship_gradients(context_id: int, message_id: int, grads: list[Tensor | None])
         timeout=budget,
     )
     active.outgoing.append((record.from_worker, fut))
+    counters["gradient_messages_sent"] += 1
+    counters["gradient_tensors_sent"] += sum(g is not None for g in grads)
 
 
 def receive_gradients(
@@ -103,6 +107,7 @@ def receive_gradients(
 ) -> None:
     """RPC handler: run this worker's part of the pass from ``sends[message_id]``."""
     me = _agent.worker_name()
+    counters["gradient_messages_received"] += 1
     try:
         ctx = lookup(context_id)
         with ctx.lock:
@@ -145,13 +150,14 @@ def _run_and_wait(
     active = _Pass(pass_id, deadline=time.monotonic() + budget)
     with ctx.lock:
         ctx.passes_in_flight += 1
-        previous, ctx.active_pass = ctx.active_pass, active
-        try:
-            if outputs:
-                run_phase(ctx, outputs, grads, leaves)
-        finally:
-            ctx.active_pass = previous
     try:
+        with ctx.lock:
+            previous, ctx.active_pass = ctx.active_pass, active
+            try:
+                if outputs:
+                    run_phase(ctx, outputs, grads, leaves)
+            finally:
+                ctx.active_pass = previous
         _wait_all(active.outgoing)
     finally:
         with ctx.lock:
@@ -176,7 +182,9 @@ def _as_backward_error(exc: BaseException, worker: str, *, delivering: bool = Fa
     text = str(exc)
     at = text.find(_MARKER)
     if at >= 0:  # already wrapped further down the chain: keep the innermost message
-        return RpcAutogradError(text[at:].splitlines()[0])
+        # Remote errors arrive as their repr: drop the closing quotes and parentheses.
+        line = re.sub(r"""(\\?['"]\)?)+$""", "", text[at:].splitlines()[0])
+        return RpcAutogradError(line)
     first_line = text.strip().splitlines()[0][:300] if text.strip() else ""
     if delivering:
         why = f"could not deliver gradients to it ({type(exc).__name__}: {first_line})"

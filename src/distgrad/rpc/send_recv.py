@@ -57,7 +57,9 @@ class _RecvFunction(torch.autograd.Function):
     """Identity in forward; in backward, ships the gradients to the sender and returns none."""
 
     @staticmethod
-    def forward(ctx: Any, context_id: int, message_id: int, anchor: Tensor, *tensors: Tensor) -> Any:
+    def forward(
+        ctx: Any, context_id: int, message_id: int, anchor: Tensor, *tensors: Tensor
+    ) -> Any:
         ctx.set_materialize_grads(False)  # unused outputs stay None and are not shipped as zeros
         # Ids only, no record: a record holding the node that holds the record would be a cycle
         # through C++ that the garbage collector cannot see.

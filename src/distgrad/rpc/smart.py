@@ -35,7 +35,7 @@ from torch.distributed import rpc as torch_rpc
 
 from distgrad.errors import RpcAutogradError
 from distgrad.rpc import _agent
-from distgrad.rpc.context import DistAutogradContext, _Pass, lookup
+from distgrad.rpc.context import DistAutogradContext, _Pass, counters, lookup
 from distgrad.rpc.fast import _HOP_MARGIN_S, _as_backward_error, _wait_all
 from distgrad.rpc.send_recv import SendRecord, is_recv_node
 
@@ -110,6 +110,7 @@ def _lineage(ctx: DistAutogradContext, roots: list[Tensor], budget: float) -> Li
                 fut: Any = torch.futures.Future()
                 fut.set_result(_reach_of_sends(ctx.context_id, sorted(ids)))
             else:
+                counters["lineage_messages_sent"] += 1
                 fut = torch_rpc.rpc_async(
                     worker, _reach_of_sends, args=(ctx.context_id, sorted(ids)), timeout=budget
                 )
@@ -217,19 +218,8 @@ def _progress(ctx: DistAutogradContext, state: _SmartPass, active: _Pass) -> Non
     for e, _ in ready:
         del state.buffer[(id(e.node), e.output_nr)]
     captured: dict[int, list[Tensor | None]] = {}  # recv id -> gradients of its outputs
-    engine_outputs: list[GradientEdge] = []
-    engine_grads: list[Tensor] = []
-    for edge, grad in ready:
-        variable = getattr(edge.node, "variable", None)
-        if isinstance(variable, Tensor):  # a leaf: no engine needed
-            ctx.accumulate(variable, grad)
-        elif is_recv_node(edge.node):
-            _capture(ctx, captured, edge.node, edge.output_nr, grad)
-        else:
-            engine_outputs.append(edge)
-            engine_grads.append(grad)
-    if engine_outputs:
-        _run_engine(ctx, state, engine_outputs, engine_grads, blocked, captured)
+    # Leaves and recv outputs go through the engine too, so their tensor hooks run.
+    _run_engine(ctx, state, [e for e, _ in ready], [g for _, g in ready], blocked, captured)
     for recv_id, recv_grads in captured.items():
         _ship(ctx, state, active, recv_id, recv_grads)
 
@@ -279,6 +269,7 @@ def _run_engine(
         *(GradientEdge(node, k) for node, k in recv_edges),
         *boundary,
     ]
+    counters["engine_runs"] += 1
     found = torch.autograd.grad(
         outputs, inputs, grads, retain_graph=state.retain_graph, allow_unused=True
     )
@@ -310,11 +301,20 @@ def _ship(
     fut = torch_rpc.rpc_async(
         record.from_worker,
         _receive_smart,
-        args=(ctx.context_id, recv_id, grads, active.pass_id, budget, state.lineage,
-              state.retain_graph),
+        args=(
+            ctx.context_id,
+            recv_id,
+            grads,
+            active.pass_id,
+            budget,
+            state.lineage,
+            state.retain_graph,
+        ),
         timeout=budget,
     )
     active.outgoing.append((record.from_worker, fut))
+    counters["gradient_messages_sent"] += 1
+    counters["gradient_tensors_sent"] += sum(g is not None for g in grads)
 
 
 def _receive_smart(
@@ -328,6 +328,7 @@ def _receive_smart(
 ) -> None:
     """RPC handler: the gradient for one of this worker's sends in a SMART pass."""
     me = _agent.worker_name()
+    counters["gradient_messages_received"] += 1
     try:
         ctx = lookup(context_id)
         with ctx.lock:

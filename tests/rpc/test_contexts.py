@@ -1,0 +1,83 @@
+"""Contexts: unique ids, one per thread, released on every worker they touched."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from torch.distributed import rpc as torch_rpc
+
+import distgrad.rpc as dgrpc
+from distgrad.errors import RpcAutogradError, UnknownContextError
+from distgrad.rpc.context import lookup
+from distgrad.testing import run_on_ranks
+from tests.rpc import _funcs as F
+
+
+def _known(context_id: int) -> list[tuple[bool, int, int]]:
+    """(known, sends, recvs) on workers 1 and 2, asked through torch's RPC (no context sent)."""
+    return [
+        torch_rpc.rpc_sync(w, F.context_known, args=(context_id,)) for w in ("worker1", "worker2")
+    ]
+
+
+def _contexts(rank: int, world_size: int) -> None:
+    if rank != 0:
+        return
+    # Ids carry the worker id in the high 16 bits; each worker's ids differ.
+    ids = [dgrpc.rpc_sync(f"worker{w}", F.open_context_id) for w in (1, 2, 1)]
+    with dgrpc.context() as mine:
+        pass
+    assert [i >> 48 for i in [mine, *ids]] == [0, 1, 2, 1]
+    assert len({mine, *ids}) == 4
+
+    # One context per thread: nesting raises, other threads get their own.
+    with dgrpc.context() as outer:
+        with pytest.raises(RpcAutogradError, match="already in autograd context"):
+            with dgrpc.context():
+                pass
+        assert dgrpc.current_context_id() == outer
+        seen: list[int | None] = []
+
+        def other() -> None:
+            seen.append(dgrpc.current_context_id())
+            with dgrpc.context() as inner:
+                seen.append(inner)
+
+        t = threading.Thread(target=other)
+        t.start()
+        t.join(10)
+        assert seen[0] is None and seen[1] != outer
+    assert dgrpc.current_context_id() is None
+
+    # A chain A -> B -> C records on every worker; after exit the id is unknown everywhere.
+    x = torch.ones(2, dtype=torch.float64, requires_grad=True)
+    with dgrpc.context() as cid:
+        F.chain(x, ["worker1", "worker2"], local=False)
+        assert len(lookup(cid).sends) == 1 and len(lookup(cid).recvs) == 1
+        assert _known(cid) == [(True, 2, 2), (True, 1, 1)]
+    assert _known(cid) == [(False, 0, 0), (False, 0, 0)]
+    with pytest.raises(UnknownContextError, match="worker0"):
+        dgrpc.get_gradients(cid)
+
+    # Also when the block raises, and in a loop A -> B -> A.
+    with pytest.raises(ValueError, match="user error"), dgrpc.context() as cid:
+        dgrpc.rpc_sync("worker1", F.scale_then_call_back, args=(x, "worker0", False))
+        dgrpc.rpc_sync("worker2", torch.neg, args=(x,))
+        assert len(lookup(cid).sends) == 3 and len(lookup(cid).recvs) == 3
+        raise ValueError("user error")
+    assert _known(cid) == [(False, 0, 0), (False, 0, 0)]
+    with pytest.raises(UnknownContextError):
+        lookup(cid)
+
+    # Nothing requires grad: nothing is recorded, but the callee learns the context.
+    with dgrpc.context() as cid:
+        dgrpc.rpc_sync("worker1", F.add_plain, args=(torch.ones(2), torch.ones(2)))
+        assert (len(lookup(cid).sends), len(lookup(cid).recvs)) == (0, 0)
+        assert _known(cid)[0] == (True, 0, 0)
+        assert _known(cid)[1] == (False, 0, 0)
+
+
+def test_context_ids_threads_recording_and_release() -> None:
+    run_on_ranks(_contexts, 3, init="rpc")
