@@ -2,12 +2,16 @@
 
 Each rank describes its call in one small int64 vector (which op, whether debug mode is on,
 dtype, device type, requires_grad, shape, the op's integer arguments, whether its own
-arguments are invalid, and how many distgrad calls it has made on this group before); one
+arguments are invalid, and in debug mode where in the caller's code the call was made); one
 ``all_gather`` of these vectors lets every rank check every other rank's call. Bad input then
 becomes the same Python error on every rank instead of a hang, a process abort inside gloo, or a
-silently wrong result (the call count catches a rank that skipped a call even when its next call
-looks like the one its peers make), and the ops learn the per-rank sizes they need (uneven
-all_gather, gather, all_to_all) from the same exchange.
+silently wrong result, and the ops learn the per-rank sizes they need (uneven all_gather,
+gather, all_to_all) from the same exchange.
+
+A rank that skips a call is caught at its next call that differs from its peers' (another op,
+shape, dtype or argument), or, when every later call looks alike, by the peers' timeout at the
+last call, which names the call they were waiting in. Debug mode also compares the call sites,
+which catches the skip at once.
 
 Cost: one all_gather of ``_WIDTH`` int64 per rank, per forward call (tens of microseconds on
 loopback gloo; see ``docs/semantics.md`` for the measurement). Debug mode
@@ -18,6 +22,8 @@ their backward collectives in the same order.
 from __future__ import annotations
 
 import os
+import sys
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -35,7 +41,7 @@ __all__ = ["RankCall", "debug_enabled", "exchange", "require_same", "set_debug"]
 _MAGIC = 0x6469737467726164 & 0x7FFFFFFFFFFFFFFF  # "distgrad"
 _MAX_DIMS = 12
 _MAX_ARGS = 10
-_HEADER = 9  # magic, op, debug, problem, has_tensor, dtype, device, requires_grad, call
+_HEADER = 10  # magic, op, debug, problem, has_tensor, dtype, device, requires_grad, call, site
 _WIDTH = _HEADER + 1 + _MAX_DIMS + 1 + _MAX_ARGS
 
 _OPS = (
@@ -71,8 +77,8 @@ _debug = os.environ.get("DISTGRAD_DEBUG", "") not in ("", "0")
 
 # How many distgrad calls this process has made on each group, keyed by the group object's id
 # and name (a ProcessGroup takes no attributes and no weak references; the name guards against
-# a reused id). Every rank of a group counts the same calls, so a difference means a rank
-# skipped a call or made an extra one.
+# a reused id). The handshake pairs every rank's i-th call, so the count names a call the same
+# way on every rank: debug mode uses it to check that backwards answer the same forward call.
 _calls: dict[tuple[int, str], int] = {}
 
 
@@ -94,7 +100,10 @@ def set_debug(enabled: bool) -> None:
     collective that verifies all ranks run their backward collectives in the same order (a rank
     whose loss uses the outputs in a different order can otherwise pair the wrong collectives),
     and, for ``objective="replicated"``, that every rank's incoming gradient is the same.
-    Each costs one extra collective per backward call. Every rank must use the same setting.
+    Each costs one extra collective per backward call. It also compares, in every forward
+    handshake, where in the caller's code each rank made the call, which catches a rank that
+    skipped a call at once (ranks that legitimately call from different lines must leave debug
+    mode off). Every rank must use the same setting.
     """
     global _debug
     _debug = bool(enabled)
@@ -118,17 +127,18 @@ class RankCall:
     shape: tuple[int, ...]
     args: tuple[int, ...]
     call: int = 0  # how many distgrad calls this rank made on the group before this one
+    site: int = 0  # debug mode: a checksum of where in the caller's code the call was made
 
 
 def _encode(
-    op: str, x: Tensor | None, args: Sequence[int], problem: bool, call: int = 0
+    op: str, x: Tensor | None, args: Sequence[int], problem: bool, call: int = 0, site: int = 0
 ) -> list[int]:
     has = x is not None
     dtype = _DTYPES.index(x.dtype) if x is not None and x.dtype in _DTYPES else -1
     device = _DEVICES.index(x.device.type) if x is not None and x.device.type in _DEVICES else -1
     shape = list(x.shape) if x is not None else []
     vec = [_MAGIC, _OPS.index(op), int(_debug), int(problem), int(has), dtype, device]
-    vec += [int(x is not None and x.requires_grad), call]
+    vec += [int(x is not None and x.requires_grad), call, site]
     vec += [len(shape), *shape, *[0] * (_MAX_DIMS - len(shape))]
     vec += [len(args), *args, *[0] * (_MAX_ARGS - len(args))]
     assert len(vec) == _WIDTH
@@ -151,7 +161,16 @@ def _decode(rank: int, vec: list[int]) -> RankCall:
         shape=shape,
         args=tuple(vec[args_at : args_at + nargs]),
         call=vec[8],
+        site=vec[9],
     )
+
+
+def _call_site() -> str:
+    """Where the user's code called distgrad: the first frame outside the distgrad package."""
+    frame = sys._getframe(1)
+    while frame.f_back is not None and frame.f_globals.get("__name__", "").startswith("distgrad"):
+        frame = frame.f_back
+    return f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
 
 
 def exchange(
@@ -177,8 +196,16 @@ def exchange(
             raise CollectiveArgumentError(f"{desc} on rank {group.rank}: {problem}")
         return [_decode(group.rank, _encode(op, x, args, False))]
     call = _next_call(group)
+    site = _call_site() if _debug else ""
     mine = torch.tensor(
-        _encode(op, None if problem else x, args if not problem else (), problem is not None, call),
+        _encode(
+            op,
+            None if problem else x,
+            args if not problem else (),
+            problem is not None,
+            call,
+            zlib.crc32(site.encode()),
+        ),
         dtype=torch.int64,
         device=_comm.metadata_device(group),
     )
@@ -196,6 +223,8 @@ def exchange(
     rows = every.view(group.size, _WIDTH).tolist()
     calls = [_decode(rank, row) for rank, row in enumerate(rows)]
     _check_same_call(desc, group, calls, rows)
+    if _debug and any(c.site != calls[0].site for c in calls):
+        _raise_sites(desc, group, site)
     if any(row[3] for row in rows):
         _raise_problems(desc, group, problem)
     return calls
@@ -208,15 +237,8 @@ def _check_same_call(desc: str, group: Group, calls: list[RankCall], rows: list[
             "this point (they called a raw torch.distributed collective or another library); "
             "every rank must make the same sequence of calls"
         )
-    if any(c.call != calls[0].call for c in calls):
-        # Resynchronise first, so that the group stays usable if the caller handles the error.
-        _calls[_call_key(group)] = max(c.call for c in calls) + 1
-        listing = describe_ranks(calls, lambda c: f"its call {c.call + 1}, {c.op}")
-        raise CollectiveMismatchError(
-            f"{desc} on rank {group.rank}: ranks are at different distgrad calls on this group "
-            f"({listing}); a rank skipped a call or made an extra one, and every rank must make "
-            "the same sequence of calls"
-        )
+    # Each rank's i-th handshake meets its peers' i-th: the counts agree by construction.
+    assert all(c.call == calls[0].call for c in calls), "distgrad call counts diverged"
     require_same(
         desc,
         group,
@@ -232,6 +254,17 @@ def _check_same_call(desc: str, group: Group, calls: list[RankCall], rows: list[
         "debug mode",
         lambda c: c.debug,
         "call distgrad.set_debug() with the same value on every rank",
+    )
+
+
+def _raise_sites(desc: str, group: Group, site: str) -> None:
+    sites: list[Any] = [None] * group.size
+    dist.all_gather_object(sites, site, group=group.pg)
+    listing = "; ".join(f"rank {rank}: {where}" for rank, where in enumerate(sites))
+    raise CollectiveMismatchError(
+        f"{desc} on rank {group.rank}: debug mode: ranks made this call from different places "
+        f"({listing}); a rank skipped a call or made an extra one (if your ranks legitimately "
+        "call from different lines, turn debug mode off)"
     )
 
 
