@@ -138,3 +138,24 @@ def apply_param(rref: dgrpc.RRef[Tensor], x: Tensor) -> Tensor:
 class FailingSGD(torch.optim.SGD):
     def step(self, closure: Any = None) -> Any:
         raise RuntimeError("this optimizer always fails")
+
+
+def drive_loop(mode: str, peer: str) -> float:
+    """Run a loop (here -> peer -> here) with its root on this worker; the largest error."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(3, dtype=torch.float64, generator=g, requires_grad=True)
+    v = torch.randn(3, dtype=torch.float64, generator=g)
+    me = _me()
+    local = scale_then_call_back(x * 1.0, me, local=True)
+    (ref,) = torch.autograd.grad((local * v).sum(), x)
+    with dgrpc.context() as cid:
+        out = remote_call(peer, scale_then_call_back, (x * 1.0, me, False))
+        dgrpc.backward(cid, [out], [v], mode=mode)
+        got = dgrpc.get_gradients(cid)[x]
+    return float((got - ref).abs().max())
+
+
+def _me() -> str:
+    from torch.distributed import rpc as torch_rpc
+
+    return str(torch_rpc.get_worker_info().name)

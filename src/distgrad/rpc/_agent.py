@@ -88,6 +88,14 @@ def name_of(to: str | int | torch_rpc.WorkerInfo) -> str:
     return str(to.name)
 
 
+def describe_error(exc: BaseException) -> str:
+    """``Type: message`` of an error, unwrapping the text torch's RPC adds to remote errors."""
+    lines = [line for line in str(exc).strip().splitlines() if line.strip()]
+    if len(lines) >= 2 and "On WorkerInfo(" in lines[0]:
+        return lines[1][:300]  # the remote exception's repr, e.g. ValueError('...')
+    return f"{type(exc).__name__}: {lines[0][:300] if lines else ''}"
+
+
 def new_id() -> int:
     """A new id, unique across workers: the worker id in the high 16 bits, a counter below."""
     with _lock:

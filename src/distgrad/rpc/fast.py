@@ -185,11 +185,10 @@ def _as_backward_error(exc: BaseException, worker: str, *, delivering: bool = Fa
         # Remote errors arrive as their repr: drop the closing quotes and parentheses.
         line = re.sub(r"""(\\?['"]\)?)+$""", "", text[at:].splitlines()[0])
         return RpcAutogradError(line)
-    first_line = text.strip().splitlines()[0][:300] if text.strip() else ""
     if delivering:
-        why = f"could not deliver gradients to it ({type(exc).__name__}: {first_line})"
+        why = f"could not deliver gradients to it ({_agent.describe_error(exc)})"
     else:
-        why = f"{type(exc).__name__}: {first_line}"
+        why = _agent.describe_error(exc)
     return RpcAutogradError(f"{_MARKER}{worker}: {why}")
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -10,6 +11,7 @@ import torch
 from torch.distributed import rpc as torch_rpc
 
 from distgrad.errors import RpcAutogradError
+from distgrad.rpc import _agent
 from distgrad.rpc.calls import RRef
 from distgrad.rpc.context import lookup
 
@@ -46,16 +48,34 @@ class _LocalOptimizer:
                     p.grad = grad
 
 
-def _make(*args: Any) -> _LocalOptimizer:
-    return _LocalOptimizer(*args)
+# The local optimizers living on this worker, by id (ids are unique across workers).
+_local: dict[int, _LocalOptimizer] = {}
 
 
-def _check(optimizer_rref: Any) -> None:
-    optimizer_rref.local_value()
+def _make(
+    optimizer_id: int,
+    optimizer_class: type[torch.optim.Optimizer],
+    rrefs: list[Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> None:
+    _local[optimizer_id] = _LocalOptimizer(optimizer_class, rrefs, args, kwargs)
 
 
-def _step(optimizer_rref: Any, context_id: int) -> None:
-    optimizer_rref.local_value().step(context_id)
+def _step(optimizer_id: int, context_id: int) -> None:
+    _local[optimizer_id].step(context_id)
+
+
+def _drop(optimizer_id: int) -> None:
+    _local.pop(optimizer_id, None)
+
+
+def _drop_everywhere(owners: list[str], optimizer_id: int) -> None:
+    for owner in owners:
+        try:
+            torch_rpc.rpc_async(owner, _drop, args=(optimizer_id,))
+        except Exception:  # RPC already shut down: nothing is left to drop
+            pass
 
 
 class DistributedOptimizer:
@@ -64,10 +84,12 @@ class DistributedOptimizer:
     ``params_rref`` lists references to parameters (:class:`distgrad.rpc.RRef` or torch's
     ``RRef``); one ``optimizer_class(params, *args, **kwargs)`` is created on each distinct
     owner. :meth:`step` runs every owner's optimizer with the gradients that owner holds in the
-    context, in parallel. A parameter with no gradient in the context is left untouched. Steps
-    on one worker (from several callers) run one at a time.
+    context, in parallel. A parameter with no gradient in the context is left untouched
+    (``.grad`` is set only for the duration of the step and then restored). Steps on one worker
+    (from several callers) run one at a time.
 
-    Cost: construction, one RPC per owner; each step, one RPC per owner.
+    Cost: construction, one RPC per owner; each step, one RPC per owner, in parallel. The local
+    optimizers are dropped when this object is garbage collected.
     """
 
     def __init__(
@@ -81,37 +103,42 @@ class DistributedOptimizer:
         for ref in params_rref:
             raw = ref.torch_rref if isinstance(ref, RRef) else ref
             by_owner.setdefault(str(raw.owner_name()), []).append(raw)
-        self._optimizers = [
-            (owner, torch_rpc.remote(owner, _make, args=(optimizer_class, rrefs, args, kwargs)))
-            for owner, rrefs in by_owner.items()
+        self._id = _agent.new_id()
+        self._owners = sorted(by_owner)
+        futures = [
+            (
+                owner,
+                torch_rpc.rpc_async(
+                    owner, _make, args=(self._id, optimizer_class, by_owner[owner], args, kwargs)
+                ),
+            )
+            for owner in self._owners
         ]
-        for owner, rref in self._optimizers:
+        weakref.finalize(self, _drop_everywhere, self._owners, self._id)
+        for owner, fut in futures:
             try:
-                # Surface a constructor error now, not at the first step.
-                torch_rpc.rpc_sync(owner, _check, args=(rref,))
+                fut.wait()
             except Exception as exc:
                 raise RpcAutogradError(
                     f"DistributedOptimizer: creating {optimizer_class.__name__} on {owner} "
-                    f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+                    f"failed: {_agent.describe_error(exc)}"
                 ) from None
 
     def step(self, context_id: int) -> None:
         """Run one step on every owner with its gradients in ``context_id``.
 
-        Raises :class:`~distgrad.errors.RpcAutogradError` naming the first owner that failed
-        (after every owner has finished).
+        Raises :class:`~distgrad.errors.RpcAutogradError` naming each owner that failed (after
+        every owner has finished), e.g. because the context is unknown there.
         """
         futures = [
-            (owner, torch_rpc.rpc_async(owner, _step, args=(rref, context_id)))
-            for owner, rref in self._optimizers
+            (owner, torch_rpc.rpc_async(owner, _step, args=(self._id, context_id)))
+            for owner in self._owners
         ]
         errors: list[str] = []
         for owner, fut in futures:
             try:
                 fut.wait()
             except Exception as exc:
-                errors.append(
-                    f"{owner}: {type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"
-                )
+                errors.append(f"{owner}: {_agent.describe_error(exc)}")
         if errors:
             raise RpcAutogradError("DistributedOptimizer.step failed on " + "; ".join(errors))
