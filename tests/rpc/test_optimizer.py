@@ -66,7 +66,7 @@ def _optimizers(rank: int, world_size: int) -> None:
     with dgrpc.context() as cid:
         hidden = dgrpc.rpc_sync("worker1", F.apply_param, args=(rref, x))
         dgrpc.backward(cid, [hidden.sum()])
-        with pytest.raises(RpcAutogradError, match="step failed on worker1: .*always fails"):
+        with pytest.raises(RpcAutogradError, match=r"step failed on worker1: .*always fails"):
             opt.step(cid)
 
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import itertools
 import threading
+from typing import Any
 
+from torch._C._distributed_rpc import WorkerInfo
 from torch.distributed import rpc as torch_rpc
 
 __all__ = ["init_rpc", "new_id", "shutdown", "worker_id", "worker_name"]
@@ -78,12 +80,14 @@ def worker_id() -> int:
     return int(torch_rpc.get_worker_info().id)
 
 
-def name_of(to: str | int | torch_rpc.WorkerInfo) -> str:
+def name_of(to: str | int | WorkerInfo) -> str:
     """The name of a worker given by name, id or ``WorkerInfo``."""
     if isinstance(to, str):
         return to
     if isinstance(to, int):
-        agent = torch_rpc.api._get_current_rpc_agent()
+        from torch.distributed.rpc import api
+
+        agent: Any = api._get_current_rpc_agent()  # type: ignore[attr-defined]
         return str(agent.get_worker_info(to).name)
     return str(to.name)
 

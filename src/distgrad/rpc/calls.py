@@ -13,8 +13,9 @@ tensors requiring grad; the tensors are detached before they are sent.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeAlias, TypeVar
 
+from torch._C._distributed_rpc import WorkerInfo
 from torch.distributed import rpc as torch_rpc
 from torch.futures import Future
 
@@ -27,7 +28,7 @@ __all__ = ["RRef", "remote", "rpc_async", "rpc_sync"]
 
 T = TypeVar("T")
 _UNSET = -1.0  # torch's "use the agent's default timeout"
-Worker = str | int | torch_rpc.WorkerInfo
+Worker: TypeAlias = "str | int | WorkerInfo"
 
 
 def rpc_sync(
@@ -131,7 +132,8 @@ class RRef(Generic[T]):
         if current_context_id() is None:
             value: T = self._rref.to_here(timeout)
             return value
-        return rpc_sync(self.owner_name(), _local_value, args=(self._rref,), timeout=timeout)
+        fetched: T = rpc_sync(self.owner_name(), _local_value, args=(self._rref,), timeout=timeout)
+        return fetched
 
     def __repr__(self) -> str:
         return f"distgrad.rpc.RRef(owner={self.owner_name()!r})"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from collections.abc import Sequence
@@ -72,10 +73,9 @@ def _drop(optimizer_id: int) -> None:
 
 def _drop_everywhere(owners: list[str], optimizer_id: int) -> None:
     for owner in owners:
-        try:
+        # RPC may already be shut down: then nothing is left to drop.
+        with contextlib.suppress(Exception):
             torch_rpc.rpc_async(owner, _drop, args=(optimizer_id,))
-        except Exception:  # RPC already shut down: nothing is left to drop
-            pass
 
 
 class DistributedOptimizer:

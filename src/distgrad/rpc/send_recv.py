@@ -147,10 +147,12 @@ def attach_recv(
     _map_tensors(payload, collect)
     record = RecvRecord(message_id, from_worker, ctx.context_id, len(found))
     with torch.enable_grad():
-        outputs = _RecvFunction.apply(ctx.context_id, message_id, ctx.anchor, *found)
+        outputs = _RecvFunction.apply(  # type: ignore[no-untyped-call]
+            ctx.context_id, message_id, ctx.anchor, *found
+        )
     with ctx.lock:
         ctx.recvs[message_id] = record
-    replaced = dict(zip(positions, outputs, strict=True))
+    replaced: dict[int, Tensor] = dict(zip(positions, outputs, strict=True))
     counter[0] = 0
 
     def substitute(t: Tensor) -> Tensor:

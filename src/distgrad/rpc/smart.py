@@ -24,6 +24,7 @@ is linear in the size of the local graphs.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -375,7 +376,5 @@ def _abort(context_id: int, pass_id: int, lineage: Lineage) -> None:
         if w != me
     ]
     for fut in futures:
-        try:
+        with contextlib.suppress(Exception):  # a dead worker has no state left to drop
             fut.wait()
-        except Exception:  # a dead worker has no state left to drop
-            pass
