@@ -25,7 +25,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -227,8 +226,3 @@ def _rank_run(rank: int, world_size: int, job: _Job) -> RunResult:
         model.load_state_dict(job.model_state)
     backward = job.backward_ranks is None or rank in job.backward_ranks
     return _run_once(job.fn, job.names, job.shards[rank], model, backward=backward)
-
-
-def describe_signature(fn: Callable[..., Any]) -> str:
-    """``fn``'s name for messages."""
-    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
