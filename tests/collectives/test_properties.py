@@ -1,9 +1,19 @@
-"""Property-based: random ops, shapes, uneven sizes, dims and world sizes.
+"""Property-based: random ops, shapes, uneven sizes, dims, reduce ops and world sizes.
 
-Hypothesis draws a batch of cases in the parent; one group of real processes runs them and
-compares forward and gradient with the single-process reference (same semantics and tolerance
-as test_gradients.py: sum over ranks of <out_r, v_r>, random cotangents, float64). The draws
-are derandomized so a failure reproduces; hypothesis shrinks a failing batch to a minimal one.
+Semantics asserted are those of test_gradients.py: forward equals the single-process reference
+and each rank's gradient equals single-process autograd of sum_r <out_r, v_r> (random cotangent
+per rank, float64, rtol 1e-10).
+
+Design: hypothesis runs *inside* every rank, one process group per world size. Starting a group
+costs about 0.1 s plus re-importing this module in each rank, so one group per example (or per
+batch) spent most of the time starting processes. In-rank runs are sound because every rank
+draws the same examples in the same order: ``derandomize=True`` seeds hypothesis from the test
+function alone, there is no example database, and no timing-dependent health check or deadline
+may change the course. After each example the ranks all_reduce a failure flag (a raw collective,
+outside the code under test) and all raise or all pass, so hypothesis sees the same outcomes on
+every rank and, if something fails, shrinks in lockstep, which keeps the collectives paired
+(checked by breaking max: both ranks shrink to the same one-case reduce_scatter). There is one
+search per op and reduce op, since derandomized hypothesis favours some choices over others.
 """
 
 from __future__ import annotations
@@ -12,16 +22,30 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+import torch.distributed as dist
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
+import distgrad as dg
 from distgrad.testing import run_on_ranks
-from tests.collectives.reference import Case
-from tests.collectives.test_gradients import OPS, check_case
+from tests.collectives.reference import Case, cotangents, inputs, outputs, reference_grads
+from tests.collectives.test_gradients import OPS, TOL
+
+# Examples per search and world size; each example is a list of 1 to 4 cases.
+EXAMPLES = {1: 3, 2: 5, 3: 4, 4: 3}
+# One search per op (and reduce op): derandomized hypothesis favours some choices over others,
+# and separate searches give every op and reduce op its share.
+SEARCHES = [
+    *((kind, None) for kind in ("all_gather", "gather", "all_to_all", "scatter", "broadcast")),
+    ("permute", None),
+    *((kind, op) for kind in ("reduce_scatter", "all_reduce", "reduce") for op in OPS),
+]
 
 
 @st.composite
-def collective_cases(draw: Any, n: int) -> tuple[int, Case]:
+def collective_cases(
+    draw: Any, n: int, kind: str | None = None, op: str | None = None
+) -> tuple[int, Case]:
     ndim = draw(st.integers(1, 3))
     dim = draw(st.integers(-ndim, ndim - 1))
     base = [draw(st.integers(1, 3)) for _ in range(ndim)]
@@ -34,22 +58,8 @@ def collective_cases(draw: Any, n: int) -> tuple[int, Case]:
         shape[dim] = length
         return tuple(shape)
 
-    kind = draw(
-        st.sampled_from(
-            [
-                "all_gather",
-                "gather",
-                "reduce_scatter",
-                "all_reduce",
-                "all_to_all",
-                "scatter",
-                "broadcast",
-                "reduce",
-                "permute",
-            ]
-        )
-    )
-    op = draw(st.sampled_from(OPS))
+    kind = kind or draw(st.sampled_from([k for k, _ in SEARCHES]))
+    op = op or draw(st.sampled_from(OPS))
     root = draw(st.integers(0, n - 1))
     if kind in ("all_gather", "gather"):
         kwargs: dict[str, Any] = {"dim": dim} | ({"dst": root} if kind == "gather" else {})
@@ -73,27 +83,71 @@ def collective_cases(draw: Any, n: int) -> tuple[int, Case]:
     return n, Case(kind, shapes, {"src": root})
 
 
-def _run_cases(rank: int, n: int, cases: list[Case]) -> None:
-    for case in cases:
-        check_case(rank, n, case, torch.float64)
+def _check(rank: int, n: int, case: Case) -> None:
+    """Like test_gradients.check_case, but every rank runs forward *and* backward before any
+    assertion, so a rank whose forward is wrong still takes part in the backward collective and
+    the ranks stay in lockstep."""
+    xs = inputs(case, torch.float64)
+    expected = outputs(case, xs)
+    vs = cotangents(expected)
+    x = xs[rank].clone().requires_grad_()
+    passes_none = case.op == "scatter" and rank != case.kwargs["src"]
+    out = getattr(dg, case.op)(None if passes_none else x, **case.kwargs_for(rank))
+    (out * vs[rank]).sum().backward()
+    tol = TOL[torch.float64]
+    torch.testing.assert_close(out, expected[rank], **tol, msg=lambda m: f"forward: {m}")
+    if not passes_none:
+        got = x.grad if x.grad is not None else torch.zeros_like(x)
+        want = reference_grads(case, xs, vs)[rank]
+        torch.testing.assert_close(got, want, **tol, msg=lambda m: f"gradient: {m}")
 
 
-def _batches(n: int) -> Any:
-    return st.lists(collective_cases(n).map(lambda drawn: drawn[1]), min_size=1, max_size=8)
+def _run_hypothesis_in_every_rank(rank: int, n: int, max_examples: int) -> list[str]:
+    drawn: list[str] = []
+    for kind, op in SEARCHES:
+        _search(rank, n, kind, op, max_examples, drawn)
+    return drawn
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3])
-def test_random_collectives_match_single_process_autograd(world_size: int) -> None:
-    # A batch of cases per process group: a warm start is cheap, but each start re-imports
-    # this module in the new ranks, so one group runs several cases.
+def _search(
+    rank: int, n: int, kind: str, op: str | None, max_examples: int, drawn: list[str]
+) -> None:
     @settings(
-        max_examples=8,
+        max_examples=max_examples,
         deadline=None,
         derandomize=True,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+        database=None,
+        phases=(Phase.generate, Phase.shrink),
+        suppress_health_check=list(HealthCheck),
+        print_blob=False,
     )
-    @given(_batches(world_size))
+    # A short list of cases per example: hypothesis's derandomized search repeats itself, and a
+    # list spreads the examples over more ops; a failing list shrinks to the one failing case.
+    @given(
+        st.lists(collective_cases(n, kind, op).map(lambda pair: pair[1]), min_size=1, max_size=4)
+    )
     def check(cases: list[Case]) -> None:
-        run_on_ranks(_run_cases, world_size, args=(cases,), timeout=30)
+        for case in cases:
+            drawn.append(repr(case))
+            error = None
+            try:
+                _check(rank, n, case)
+            except Exception as exc:  # every failure, so that all ranks learn of it
+                error = f"{type(exc).__name__}: {exc}"
+            failed = torch.tensor([float(error is not None)])
+            dist.all_reduce(failed)  # raw: the ranks agree on the outcome before hypothesis does
+            if failed.item():
+                count = int(failed.item())
+                raise AssertionError(f"{case} fails on {count} rank(s); here: {error}")
 
     check()
+
+
+@pytest.mark.parametrize("world_size", sorted(EXAMPLES))
+def test_random_collectives_match_single_process_autograd(world_size: int) -> None:
+    drawn = run_on_ranks(
+        _run_hypothesis_in_every_rank, world_size, args=(EXAMPLES[world_size],), timeout=60
+    )
+    # Every rank ran the same examples, in the same order, and as many as asked.
+    assert all(d == drawn[0] for d in drawn), "ranks drew different examples"
+    assert len(drawn[0]) >= len(SEARCHES) * EXAMPLES[world_size]
