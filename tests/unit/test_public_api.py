@@ -23,6 +23,31 @@ PUBLIC = [
 ]
 
 
+COLLECTIVES = [
+    "all_gather",
+    "all_reduce",
+    "all_to_all",
+    "broadcast",
+    "gather",
+    "permute",
+    "reduce",
+    "reduce_scatter",
+    "scatter",
+]
+
+
+def test_collectives_exports_are_pinned_and_sorted() -> None:
+    assert distgrad.collectives.__all__ == COLLECTIVES
+
+
+def test_every_collective_documents_its_gradient_and_communication() -> None:
+    for name in distgrad.collectives.__all__:
+        doc = " ".join((getattr(distgrad.collectives, name).__doc__ or "").split())
+        assert "Gradient" in doc, f"collectives.{name} does not state its gradient"
+        assert "Communication" in doc, f"collectives.{name} does not state its cost"
+        assert "not modified" in doc, f"collectives.{name} does not promise non-mutation"
+
+
 def test_top_level_exports_are_pinned_and_sorted() -> None:
     assert distgrad.__all__ == PUBLIC
     assert sorted(distgrad.__all__) == distgrad.__all__
