@@ -54,3 +54,46 @@ def test_src_zero_on_a_sub_group_means_its_first_member() -> None:
     _, grad_on_source, received = run_on_ranks(_broadcast_src_is_a_group_rank, 3)
     assert received == 1.0
     assert grad_on_source == 30.0
+
+
+def _world_and_sub_group_in_one_graph(rank: int, world_size: int) -> list[str]:
+    members = [1, 2]
+    group = dist.new_group(members)
+    gen = torch.Generator().manual_seed(7)
+    xs = [torch.randn(2, 3, dtype=torch.float64, generator=gen) for _ in range(world_size)]
+    ws = [torch.randn(world_size, 3, dtype=torch.float64, generator=gen) for _ in range(3)]
+
+    def ys_of(a: torch.Tensor) -> list[torch.Tensor]:
+        # rank 0 keeps a; ranks 1 and 2 all_reduce (r + 1) * a over the sub-group: 5 * a.
+        summed = sum((r + 1) * a for r in members)
+        return [a if r not in members else summed for r in range(world_size)]
+
+    # Single process: a = cat(xs); y_r as above; z = cat_r(y_r.sum(0)); objective sum_r <z, w_r>.
+    leaves = [x.clone().requires_grad_() for x in xs]
+    ys = ys_of(torch.cat(leaves))
+    z = torch.stack([y.sum(0) for y in ys])
+    sum((z * w).sum() for w in ws).backward()
+
+    x = xs[rank].clone().requires_grad_()
+    a = dg.all_gather(x)  # world
+    y = dg.all_reduce((rank + 1) * a, group=group) if rank in members else a  # sub-group
+    out = dg.all_gather(y.sum(0, keepdim=True))  # world again, after the sub-group
+    (out * ws[rank]).sum().backward()
+    failures = []
+    if not torch.allclose(out, z.detach(), rtol=1e-10, atol=1e-12):
+        failures.append(f"rank {rank}: forward {out} vs {z}")
+    grad = leaves[rank].grad
+    assert grad is not None and x.grad is not None
+    if not torch.allclose(x.grad, grad, rtol=1e-10, atol=1e-12):
+        failures.append(f"rank {rank}: gradient {x.grad} vs {grad}")
+    return failures
+
+
+def test_world_and_sub_group_collectives_in_one_graph_match_single_process() -> None:
+    """all_gather on the world, all_reduce on {1, 2}, all_gather on the world again, then one
+    backward through all three: each rank's gradient equals single-process autograd of
+    sum_r <z, w_r> (float64, rtol 1e-10)."""
+    failures = [
+        f for per_rank in run_on_ranks(_world_and_sub_group_in_one_graph, 3) for f in per_rank
+    ]
+    assert not failures, "\n".join(failures)
