@@ -30,7 +30,7 @@ from distgrad._group import ProcessGroup, resolve
 from distgrad._meta import exchange
 from distgrad.collectives.all_gather import all_gather
 from distgrad.losses._global import global_mean, row_offset
-from distgrad.losses._ring import ring_reduce, ring_rows
+from distgrad.losses._ring import ring_clip, ring_reduce, ring_rows
 
 __all__ = ["clip_loss", "info_nce", "nt_xent", "siglip_loss"]
 
@@ -127,10 +127,7 @@ def clip_loss(
     _check("clip_loss", group, problem)
     x, y = F.normalize(image, dim=1), F.normalize(text, dim=1)
     if block_size is not None:
-        scale = _scalar(logit_scale, x)
-        per_image = _ring_info_nce("clip_loss", x, y, scale, group, block_size)
-        per_text = _ring_info_nce("clip_loss", y, x, scale, group, block_size)
-        return (per_image + per_text) / 2
+        return _ring_clip(x, y, _scalar(logit_scale, x), group, block_size)
     all_x, all_y = all_gather(x, group), all_gather(y, group)
     offset, total = row_offset(len(x), group)
     labels = torch.arange(len(x), device=x.device) + offset
@@ -226,6 +223,18 @@ def _ring_info_nce(
     lse = ring_reduce(q, k, scale, scale.new_zeros(()), rows, group, kind="lse", block=block)
     positive = scale * (q * k).sum(1)  # [B_l]: the positive of row i is the local key i
     return global_mean((lse - positive).sum(), sum(rows), group)
+
+
+def _ring_clip(
+    x: Tensor, y: Tensor, scale: Tensor, group: ProcessGroup | None, block: int
+) -> Tensor:
+    """Both directions from one ring pass: image i's logsumexp over all texts, text j's over
+    all images (the columns of the same logits blocks)."""
+    rows = ring_rows("clip_loss", y, group)
+    per_image, per_text = ring_clip(x, y, scale, rows, group, block=block)
+    positive = scale * (x * y).sum(1)  # [B_l]: pair i's logit, in both directions
+    local = ((per_image - positive).sum() + (per_text - positive).sum()) / 2
+    return global_mean(local, sum(rows), group)
 
 
 def _ring_nt_xent(
