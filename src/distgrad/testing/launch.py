@@ -39,7 +39,9 @@ __all__ = ["run_on_ranks"]
 Init = Literal["process_group", "rpc", "none"]
 
 _GRACE_S = 2.0  # after the first failure, how long peers may still report before being killed
-_PRELOAD = ["torch", "torch.distributed", "distgrad"]
+# torch.autograd imports symbolic_shapes lazily the first time a backward is given explicit
+# gradients (about 1.3 s); every distributed backward over RPC does that on each worker.
+_PRELOAD = ["torch", "torch.distributed", "torch.fx.experimental.symbolic_shapes", "distgrad"]
 _context: Any = None
 
 
@@ -133,7 +135,7 @@ def run_on_ranks(
                 init=init,
                 backend=backend,
                 collective_timeout=collective_timeout,
-                hang_timeout=max(timeout - 3.0, timeout * 0.8),
+                hang_timeout=max(timeout - 3.0, timeout * 0.8),  # see hang_after below
             )
             receiver, sender = ctx.Pipe(duplex=False)
             proc = ctx.Process(
@@ -143,7 +145,8 @@ def run_on_ranks(
             sender.close()
             processes.append(proc)
             receivers.append(receiver)
-        outcomes = _collect(processes, receivers, time.monotonic() + timeout)
+        hang_after = time.monotonic() + max(timeout - 3.0, timeout * 0.8)
+        outcomes = _collect(processes, receivers, time.monotonic() + timeout, hang_after)
     finally:
         _reap(processes)
         for receiver in receivers:
@@ -159,6 +162,7 @@ def _collect(
     processes: list[Any],
     receivers: list[multiprocessing.connection.Connection],
     deadline: float,
+    hang_after: float,
 ) -> dict[int, _Outcome]:
     """Wait for every rank's outcome, never past ``deadline`` nor long past the first failure."""
     outcomes: dict[int, _Outcome] = {}
@@ -173,7 +177,7 @@ def _collect(
         for conn in ready:
             rank = next(r for r, c in pending.items() if c is conn)
             del pending[rank]
-            outcome = _receive(conn, rank, processes[rank])
+            outcome = _receive(conn, rank, processes[rank], hang_after)
             outcomes[rank] = outcome
             if not outcome.ok and failed_at is None:
                 failed_at = time.monotonic()
@@ -187,22 +191,22 @@ def _collect(
     return outcomes
 
 
-def _receive(conn: Any, rank: int, proc: Any) -> _Outcome:
+def _receive(conn: Any, rank: int, proc: Any, hang_after: float) -> _Outcome:
     try:
         outcome: _Outcome = pickle.loads(conn.recv_bytes())
         return outcome
     except (EOFError, OSError):
         proc.join(timeout=1.0)
         code = proc.exitcode
-        return _Outcome(
-            rank=rank,
-            ok=False,
-            when=time.time(),
-            summary=(
-                f"died without reporting (exit code {code}); if it hung, it printed its stack "
-                "to stderr just before"
-            ),
-        )
+        if time.monotonic() >= hang_after - 0.5:
+            # faulthandler's rung: the rank was still running at its hang timeout.
+            summary = (
+                "timed out: no result before its hang timeout, so it dumped its stack to "
+                f"stderr and exited (exit code {code})"
+            )
+        else:
+            summary = f"died without reporting (exit code {code})"
+        return _Outcome(rank=rank, ok=False, when=time.time(), summary=summary)
 
 
 def _reap(processes: list[Any]) -> None:
