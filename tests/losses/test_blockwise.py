@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import distgrad as dg
-from distgrad.losses._ring import ring_reduce, ring_rows
+from distgrad.losses._ring import ring_clip, ring_reduce, ring_rows
 from distgrad.testing import check_against_single_process, run_on_ranks
 from tests.losses import cases
 
@@ -184,3 +184,38 @@ def _dims_differ(rank: int, world_size: int) -> str:
 def test_blockwise_dims_differing_across_ranks_raise_on_every_rank() -> None:
     for message in run_on_ranks(_dims_differ, 2, timeout=30):
         assert "ranks disagree on the embedding dim (rank 0: 3, rank 1: 4)" in message
+
+
+def _ring_clip_worker(rank: int, world_size: int, sizes: list[int]) -> list[Tensor]:
+    start, stop = sum(sizes[:rank]), sum(sizes[: rank + 1])
+    gen = torch.Generator().manual_seed(4)
+    x, y, v_row, v_col = (
+        torch.randn(sum(sizes), 4, dtype=torch.float64, generator=gen)[start:stop] for _ in range(4)
+    )
+    x.requires_grad_(True)
+    y.requires_grad_(True)
+    s = torch.tensor(1.3, dtype=torch.float64, requires_grad=True)
+    row, col = ring_clip(x, y, s, ring_rows("test", y, None), None, block=2)
+    ((row * v_row[:, 0]).sum() + (col * v_col[:, 0]).sum()).backward()
+    assert x.grad is not None and y.grad is not None and s.grad is not None
+    return [row.detach(), col.detach(), x.grad, y.grad, s.grad]
+
+
+@pytest.mark.parametrize("sizes", SHARDINGS, ids=str)
+def test_ring_clip_equals_row_and_column_logsumexps_with_random_cotangents(
+    sizes: list[int],
+) -> None:
+    """Objective: sum over ranks of <row_r, u_r> + <col_r, v_r>, random u, v; row i is the
+    logsumexp of row i of s X Y^T, col j of column j; texts get the sum over all images."""
+    per_rank = run_on_ranks(_ring_clip_worker, len(sizes), args=(sizes,))
+    gen = torch.Generator().manual_seed(4)
+    x, y, u, v = (torch.randn(sum(sizes), 4, dtype=torch.float64, generator=gen) for _ in range(4))
+    x.requires_grad_(True)
+    y.requires_grad_(True)
+    s = torch.tensor(1.3, dtype=torch.float64, requires_grad=True)
+    logits = s * x @ y.T
+    row, col = logits.logsumexp(1), logits.logsumexp(0)
+    ((row * u[:, 0]).sum() + (col * v[:, 0]).sum()).backward()
+    for i, want in enumerate([row.detach(), col.detach(), x.grad, y.grad]):
+        torch.testing.assert_close(torch.cat([r[i] for r in per_rank]), want, **TOL)
+    torch.testing.assert_close(sum(r[4] for r in per_rank), s.grad, **TOL)
