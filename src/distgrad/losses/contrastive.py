@@ -15,7 +15,8 @@ ever holds more than ``[anchors, block_size]`` logits, forward or backward (the 
 recomputes them). Same value and gradients; the dense path is faster for small batches.
 Communication of the ring path: forward W-1 point-to-point shifts of [max B_l, D] per
 gathered modality, backward W-1 shifts of [max B_l, 2D] (keys with their gradient
-accumulators) and one of [max B_l, D]; compute 4/3 of the dense path's matmuls.
+accumulators) and one of [max B_l, D]; compute 4/3 of the dense path's matmuls, except
+``clip_loss``, whose two directions share one pass (2/3 of the dense path's matmuls).
 """
 
 from __future__ import annotations
