@@ -13,6 +13,7 @@ from torch.distributed import rpc as torch_rpc
 
 import distgrad.rpc as dgrpc
 from distgrad.errors import RankFailedError, RpcAutogradError, UnknownContextError
+from distgrad.rpc.context import wait_for_releases
 from distgrad.testing import run_on_ranks
 from tests.rpc import _funcs as F
 
@@ -34,6 +35,7 @@ def _states(world_size: int) -> list[dict[str, int]]:
 
 
 def _no_state_left(world_size: int) -> None:
+    wait_for_releases()
     for w, state in enumerate(_states(world_size)):
         for key in ("contexts", "passes_in_flight", "smart_passes", "sends", "recvs"):
             assert state[key] == 0, f"worker{w} still holds {state[key]} {key}: {state}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -55,7 +56,7 @@ def _contexts(rank: int, world_size: int) -> None:
 
     # A chain A -> B -> C records on every worker; after exit the id is unknown everywhere.
     x = torch.ones(2, dtype=torch.float64, requires_grad=True)
-    with dgrpc.context() as cid:
+    with dgrpc.context(wait_for_release=True) as cid:
         F.chain(x, ["worker1", "worker2"], local=False)
         assert len(lookup(cid).sends) == 1 and len(lookup(cid).recvs) == 1
         assert _known(cid) == [(True, 2, 2), (True, 1, 1)]
@@ -64,7 +65,7 @@ def _contexts(rank: int, world_size: int) -> None:
         dgrpc.get_gradients(cid)
 
     # Also when the block raises, and in a loop A -> B -> A.
-    with pytest.raises(ValueError, match="user error"), dgrpc.context() as cid:
+    with pytest.raises(ValueError, match="user error"), dgrpc.context(wait_for_release=True) as cid:
         dgrpc.rpc_sync("worker1", F.scale_then_call_back, args=(x, "worker0", False))
         dgrpc.rpc_sync("worker2", torch.neg, args=(x,))
         assert len(lookup(cid).sends) == 3 and len(lookup(cid).recvs) == 3
@@ -72,6 +73,14 @@ def _contexts(rank: int, world_size: int) -> None:
     assert _known(cid) == [(False, 0, 0), (False, 0, 0)]
     with pytest.raises(UnknownContextError):
         lookup(cid)
+
+    # By default the release travels in the background; it arrives all the same.
+    with dgrpc.context() as cid:
+        F.chain(x, ["worker1", "worker2"], local=False)
+    deadline = time.monotonic() + 5.0
+    while _known(cid) != [(False, 0, 0), (False, 0, 0)]:
+        assert time.monotonic() < deadline, f"context {cid} still known: {_known(cid)}"
+        time.sleep(0.01)
 
     # Nothing requires grad: nothing is recorded, but the callee learns the context.
     with dgrpc.context() as cid:

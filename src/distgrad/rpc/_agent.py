@@ -57,8 +57,9 @@ def shutdown(graceful: bool = True) -> None:
 
     Contexts still open on this worker are dropped.
     """
-    from distgrad.rpc.context import _forget_all
+    from distgrad.rpc.context import _forget_all, wait_for_releases
 
+    wait_for_releases()
     try:
         torch_rpc.shutdown(graceful=graceful)
     finally:

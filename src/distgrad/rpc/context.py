@@ -134,7 +134,7 @@ def _forget_all() -> None:
 
 
 @contextlib.contextmanager
-def context() -> Iterator[int]:
+def context(*, wait_for_release: bool = False) -> Iterator[int]:
     """Open a distributed autograd context on this thread and yield its id.
 
     The id is unique across workers (the worker id sits in its high 16 bits). RPCs made through
@@ -142,8 +142,14 @@ def context() -> Iterator[int]:
     that require grad. A thread has at most one open context; opening a second one raises
     :class:`~distgrad.errors.RpcAutogradError`.
 
-    Cost: creating a context is local; on exit, one release message per worker this worker
-    exchanged messages with (each forwards it to the workers it knows of).
+    On exit the context is dropped here at once, and a release goes to every worker this
+    worker exchanged messages with (each forwards it to the workers it knows of). By default
+    the release travels in the background, as in PyTorch, and this worker does not wait;
+    ``wait_for_release=True`` waits until every worker has dropped the context and raises
+    :class:`~distgrad.errors.RpcAutogradError` if one could not be reached (unless the block
+    itself raised). :func:`shutdown` waits for releases still in flight.
+
+    Cost: creating a context is local; on exit, one release message per worker it touched.
     """
     if current_context_id() is not None:
         raise RpcAutogradError(
@@ -159,12 +165,47 @@ def context() -> Iterator[int]:
         failed = False
     finally:
         _set_current(None)
-        errors = release(context_id, sender=None)
-        if errors and not failed:
+        if not wait_for_release:
+            _release_in_background(context_id)
+        elif (errors := release(context_id, sender=None)) and not failed:
             raise RpcAutogradError(
                 f"autograd context {context_id} could not be released on every worker: "
                 + "; ".join(errors)
             )
+
+
+_pending_releases: list[Any] = []  # futures of releases sent in the background
+
+
+def _release_in_background(context_id: int) -> None:
+    from torch.distributed import rpc as torch_rpc
+
+    ctx = _pop(context_id)
+    if ctx is None:
+        return
+    me = _agent.worker_name()
+    with ctx.lock:
+        peers = sorted(ctx.known_workers - {me})
+    futures = [
+        torch_rpc.rpc_async(
+            peer, _release_remote, args=(context_id, me), timeout=_RELEASE_TIMEOUT_S
+        )
+        for peer in peers
+    ]
+    with _registry_lock:
+        _pending_releases[:] = [f for f in _pending_releases if not f.done()]
+        _pending_releases.extend(futures)
+
+
+def wait_for_releases() -> None:
+    """Wait for the releases sent in the background (each bounded by its RPC timeout)."""
+    with _registry_lock:
+        futures, _pending_releases[:] = list(_pending_releases), []
+    for fut in futures:
+        try:
+            fut.wait()
+        except Exception:
+            counters["release_failures"] += 1
 
 
 def release(context_id: int, sender: str | None) -> list[str]:

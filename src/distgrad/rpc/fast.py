@@ -69,6 +69,7 @@ def run_phase(
     outputs: list[Tensor],
     grads: list[Tensor],
     leaves: list[Tensor],
+    owned: bool = False,
 ) -> None:
     """Run the local engine from ``outputs`` and add the leaves' gradients to the context.
 
@@ -78,7 +79,9 @@ def run_phase(
     inputs = [*leaves, ctx.anchor]
     counters["engine_runs"] += 1
     found = torch.autograd.grad(outputs, inputs, grads, retain_graph=True, allow_unused=True)
-    given = {id(g) for g in grads}
+    # A leaf that is also an output gets its given gradient back as is; copy it only if the
+    # caller may still hold it (gradients that arrived over RPC are ours alone).
+    given = {id(g) for g in grads} if not owned else set()
     for leaf, grad in zip(leaves, found[:-1], strict=True):
         if grad is not None:
             ctx.accumulate(leaf, grad.clone() if id(grad) in given else grad)
@@ -117,7 +120,7 @@ def receive_gradients(
                 f"no send with autograd message id {message_id} in context {context_id}"
             )
         outputs, given = _pair(record, grads)
-        _run_and_wait(ctx, pass_id, budget, outputs, given, _leaves_of(record))
+        _run_and_wait(ctx, pass_id, budget, outputs, given, _leaves_of(record), owned=True)
     except Exception as exc:
         raise _as_backward_error(exc, me) from None
 
@@ -145,6 +148,7 @@ def _run_and_wait(
     outputs: list[Tensor],
     grads: list[Tensor],
     leaves: list[Tensor],
+    owned: bool = False,
 ) -> None:
     """Run one local phase, then wait (outside the lock) for the gradients it shipped."""
     active = _Pass(pass_id, deadline=time.monotonic() + budget)
@@ -155,7 +159,7 @@ def _run_and_wait(
             previous, ctx.active_pass = ctx.active_pass, active
             try:
                 if outputs:
-                    run_phase(ctx, outputs, grads, leaves)
+                    run_phase(ctx, outputs, grads, leaves, owned)
             finally:
                 ctx.active_pass = previous
         _wait_all(active.outgoing)
