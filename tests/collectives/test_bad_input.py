@@ -102,6 +102,10 @@ def _src_out_of_range(rank: int, n: int) -> Any:
     return dg.broadcast(torch.ones(2), src=n)
 
 
+def _dst_out_of_range(rank: int, n: int) -> Any:
+    return dg.gather(torch.ones(2), dst=-1)
+
+
 def _dst_differs(rank: int, n: int) -> Any:
     return dg.reduce(torch.ones(2), dst=rank)
 
@@ -228,6 +232,11 @@ CASES: dict[str, tuple[Case, type[Exception], tuple[str, ...]]] = {
         _src_out_of_range,
         CollectiveArgumentError,
         ("broadcast", "src must be a group rank in [0, 2), got 2"),
+    ),
+    "dst range": (
+        _dst_out_of_range,
+        CollectiveArgumentError,
+        ("gather(dst=-1, dim=0)", "rank 0: dst must be a group rank in [0, 2), got -1", "rank 1: "),
     ),
     "dst differs": (
         _dst_differs,
