@@ -101,11 +101,13 @@ def _bench(rank: int, world_size: int, cases: list[tuple[str, int, int]]) -> lis
         a = torch.rand(n, n, generator=g, requires_grad=True)
         b = torch.rand(n, n, generator=g, requires_grad=True)
         variants: dict[str, Callable[[], None]] = {
-            "distgrad FAST": lambda w=workload: _step_dg("fast", w, a, b),
-            "distgrad SMART": lambda w=workload: _step_dg("smart", w, a, b),
+            "distgrad FAST": lambda w=workload, a=a, b=b: _step_dg("fast", w, a, b),
+            "distgrad SMART": lambda w=workload, a=a, b=b: _step_dg("smart", w, a, b),
         }
         if workload != "fanout":
-            variants["torch.distributed.autograd"] = lambda w=workload: _step_torch(w, a, b)
+            variants["torch.distributed.autograd"] = lambda w=workload, a=a, b=b: _step_torch(
+                w, a, b
+            )
         times: dict[str, list[float]] = {name: [] for name in variants}
         messages: dict[str, int] = {name: 0 for name in variants}
         for fn in variants.values():  # warm up
@@ -174,7 +176,8 @@ def main() -> None:
         f"Measured {datetime.date.today()} on {platform.machine()}, {os.cpu_count()} CPU cores, "
         f"torch {torch.__version__}, TensorPipe over loopback TCP; one process per worker, "
         f"one intra-op thread each. Medians over the iterations shown in the script "
-        f"(variants interleaved in shuffled order). Produced by `python benchmarks/rpc_autograd.py`.\n\n"
+        f"(variants interleaved in shuffled order). Produced by "
+        f"`python benchmarks/rpc_autograd.py`.\n\n"
     )
     RESULTS.write_text(header + table + "\n")
 
