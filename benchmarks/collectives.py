@@ -13,6 +13,8 @@ the machine's noise; each timing is the slower rank's, between two barriers. Var
 * all_reduce+slice: a hand-written all_gather whose backward all_reduces the whole gradient and
   keeps its slice (a common hand-written fix).
 * distgrad: this library (including its metadata handshake).
+* distgrad w/o handshake: the same autograd Functions entered past the handshake (the
+  internal ``apply_*`` helpers), to separate the handshake's cost from the rest.
 
 Shapes are each rank's input. Run: ``python benchmarks/collectives.py [--quick]``; writes
 ``benchmarks/results/collectives.md``.
@@ -41,6 +43,8 @@ import distgrad as dg
 from distgrad import _comm
 from distgrad._group import resolve
 from distgrad._meta import exchange
+from distgrad.collectives.all_gather import apply_all_gather, apply_reduce_scatter
+from distgrad.collectives.all_reduce import apply_all_reduce
 from distgrad.testing import run_on_ranks
 
 SHAPES = [(256, 128), (4096, 512), (16384, 1024)]
@@ -95,6 +99,9 @@ def _raw_all_reduce(x: torch.Tensor) -> torch.Tensor:
 def _variants(op: str) -> dict[str, Step]:
     """name -> step(x, cotangent): one forward and its backward."""
     world = dist.group.WORLD
+    assert world is not None
+    group = resolve(None)
+    n = group.size
 
     # Each step reads the forward's output before the backward starts, as a loss would, so an
     # asynchronous forward (funcol's) cannot overlap its own backward, which no training step
@@ -103,7 +110,7 @@ def _variants(op: str) -> dict[str, Step]:
         def step(x: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
             out = fn(x)
             float(out.reshape(-1)[0])
-            out.backward(v)
+            out.backward(v)  # type: ignore[no-untyped-call]
             assert x.grad is not None
             return out, x.grad
 
@@ -121,10 +128,13 @@ def _variants(op: str) -> dict[str, Step]:
         return {
             "floor": raw(_raw_all_gather, _ideal_reduce_scatter),
             "floor (torch RS)": raw(_raw_all_gather, _torch_reduce_scatter),
-            "torch.distributed.nn": autograd(lambda x: torch.cat(dist_nn.all_gather(x))),
+            "torch.distributed.nn": autograd(lambda x: torch.cat(dist_nn.all_gather(x))),  # type: ignore[no-untyped-call]
             "funcol": autograd(lambda x: funcol.all_gather_tensor_autograd(x, 0, world)),
             "all_reduce+slice": autograd(_AllReduceThenSlice.apply),
             "distgrad": autograd(dg.all_gather),
+            "distgrad w/o handshake": autograd(
+                lambda x: apply_all_gather(x, group, (x.shape[0],) * n, 0, "sum", True)
+            ),
         }
     if op == "all_reduce":
         return {
@@ -132,6 +142,9 @@ def _variants(op: str) -> dict[str, Step]:
             "torch.distributed.nn": autograd(dist_nn.all_reduce),
             "funcol": autograd(lambda x: funcol.all_reduce(x, "sum", world)),
             "distgrad": autograd(dg.all_reduce),
+            "distgrad w/o handshake": autograd(
+                lambda x: apply_all_reduce(x, group, "sum", "sum", True)
+            ),
         }
     return {
         "floor": raw(_ideal_reduce_scatter, _raw_all_gather),
@@ -139,13 +152,17 @@ def _variants(op: str) -> dict[str, Step]:
         "torch.distributed.nn": autograd(_nn_reduce_scatter),
         "funcol": autograd(lambda x: funcol.reduce_scatter_tensor_autograd(x, "sum", 0, world)),
         "distgrad": autograd(dg.reduce_scatter),
+        "distgrad w/o handshake": autograd(
+            lambda x: apply_reduce_scatter(x, group, (x.shape[0] // n,) * n, 0, "sum", True)
+        ),
     }
 
 
 def _nn_reduce_scatter(x: torch.Tensor) -> torch.Tensor:
     n = dist.get_world_size()
     out = x.new_empty((x.shape[0] // n, *x.shape[1:]))
-    return dist_nn.reduce_scatter(out, list(x.chunk(n)))
+    result: torch.Tensor = dist_nn.reduce_scatter(out, list(x.chunk(n)))  # type: ignore[no-untyped-call]
+    return result
 
 
 def _cotangent(op: str, shape: tuple[int, int], n: int) -> torch.Tensor:
@@ -205,6 +222,7 @@ def _table(results: dict[str, Any]) -> list[str]:
         "floor",
         "floor (torch RS)",
         "distgrad",
+        "distgrad w/o handshake",
         "torch.distributed.nn",
         "funcol",
         "all_reduce+slice",
@@ -244,9 +262,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="3 iterations: a smoke test")
     args = parser.parse_args()
+    load_before = os.getloadavg()[0]
     started = time.perf_counter()
     results = run_on_ranks(_bench, 2, args=(args.quick,), timeout=1800, collective_timeout=600)[0]
     took = time.perf_counter() - started
+    load_after = os.getloadavg()[0]
     body = [
         "# Collectives: forward+backward time (2 ranks, gloo, CPU, float32)",
         "",
@@ -257,6 +277,11 @@ def main() -> None:
         "processes, in a shuffled order each iteration, each timed until its results are "
         "readable; ratios are to the floor in the same row. Iterations: 100 at (256, 128), "
         "40 at (4096, 512), 10 at (16384, 1024).",
+        "",
+        f"Noise: the 1-minute load average was {load_before:.1f} before and {load_after:.1f} "
+        f"after the run on {os.cpu_count()} cores (other work shared the machine; both ranks and "
+        "gloo's threads share the cores). Single ratios move between runs accordingly; compare "
+        "columns within a row, and re-run on a quiet machine for absolute claims.",
         "",
         *_table(results),
         "",
