@@ -17,6 +17,7 @@ PUBLIC = [
     "permute",
     "reduce",
     "reduce_scatter",
+    "rpc",
     "scatter",
     "set_debug",
     "testing",
