@@ -117,11 +117,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[4096, 16384, 32768])
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results/losses.md")
+    parser.add_argument(
+        "--reverse", action="store_true", help="run the variants in reverse order (a re-run)"
+    )
     args = parser.parse_args()
+    names = list(VARIANTS)[::-1] if args.reverse else list(VARIANTS)
     rows = []
     for batch in args.sizes:
         repeat = 2 if batch <= 4096 else 1 if batch <= 16384 else 0
-        for name in VARIANTS:
+        for name in names:
             results = run_on_ranks(
                 _measure, 2, args=(name, batch, repeat), timeout=1500, collective_timeout=1200
             )
