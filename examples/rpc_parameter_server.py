@@ -12,6 +12,7 @@ Run: python examples/rpc_parameter_server.py
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -34,10 +35,16 @@ class ParameterServer:
 
 
 _server: list[ParameterServer] = []
+_server_lock = threading.Lock()
 
 
 def _get_server() -> ParameterServer:
-    return _server[0]
+    # Made on first use: a trainer's first call can reach worker0 before worker0's own code
+    # runs, and RPC handlers run on several threads at once.
+    with _server_lock:
+        if not _server:
+            _server.append(ParameterServer())
+        return _server[0]
 
 
 def server_forward(x: torch.Tensor) -> torch.Tensor:
@@ -67,7 +74,7 @@ def train(rank: int, steps: int) -> list[float]:
 
 def worker(rank: int, world_size: int, steps: int) -> Any:
     if rank == 0:
-        _server.append(ParameterServer())
+        _get_server()
         return None
     return train(rank, steps)
 
