@@ -44,8 +44,15 @@ def rpc_sync(
     wherever they carry tensors that require grad. ``timeout`` in seconds (default: the RPC
     group's).
     """
-    result: T = rpc_async(to, func, args, kwargs, timeout).wait()
-    return result
+    context_id = current_context_id()
+    if context_id is None:
+        result: T = torch_rpc.rpc_sync(to, func, args, kwargs, timeout)
+        return result
+    # The answer is opened on this thread, not in a callback on an RPC thread: one thread
+    # hand-off less per call.
+    to_name, fut = _send_call(context_id, to, func, args, kwargs, timeout)
+    opened: T = _open(fut.wait(), to_name)
+    return opened
 
 
 def rpc_async(
@@ -59,10 +66,23 @@ def rpc_async(
     context_id = current_context_id()
     if context_id is None:
         return torch_rpc.rpc_async(to, func, args, kwargs, timeout)  # type: ignore[no-any-return]
+    to_name, fut = _send_call(context_id, to, func, args, kwargs, timeout)
+    return fut.then(lambda done: _open(done.wait(), to_name))  # type: ignore[no-any-return]
+
+
+def _send_call(
+    context_id: int,
+    to: Worker,
+    func: Callable[..., Any],
+    args: tuple[Any, ...] | None,
+    kwargs: dict[str, Any] | None,
+    timeout: float,
+) -> tuple[str, Future[Envelope]]:
+    """Send the request of a call made inside a context; the future's value is the answer."""
     to_name = _agent.name_of(to)
     request = _envelope(context_id, to_name, (tuple(args or ()), dict(kwargs or {})))
     fut = torch_rpc.rpc_async(to_name, _serve_call, args=(request, func), timeout=timeout)
-    return fut.then(lambda done: _open(done.wait(), to_name))  # type: ignore[no-any-return]
+    return to_name, fut
 
 
 def remote(

@@ -11,6 +11,10 @@ FAST mode, as distgrad runs it:
    been answered, so when the root's messages are answered the whole pass is over. Errors travel
    back along the same answers; the first one is raised at the root, naming the worker where it
    started.
+4. Gradients bound for the worker whose message a phase is answering do not travel as a message
+   of their own: they ride back in the answer, and that worker runs them when the answer comes.
+   On the common round trip (the root calls a worker, the worker returns a result) the whole
+   backward is then one RPC instead of two nested ones.
 
 Each gradient message flows on as soon as it arrives, so no worker waits for a send that will
 never receive a gradient (PyTorch's FAST mode hangs there). The price: a local subgraph reached
@@ -87,42 +91,76 @@ def run_phase(
             ctx.accumulate(leaf, grad.clone() if id(grad) in given else grad)
 
 
+Reply = tuple[int, list[Tensor | None]]  # (autograd message id, gradients) for the receiver
+
+
 def ship_gradients(context_id: int, message_id: int, grads: list[Tensor | None]) -> None:
     """Called by a recv node in backward: send ``grads`` to the worker that sent the tensors."""
     ctx = lookup(context_id)
     record = ctx.recvs[message_id]
     active = ctx.active_pass
     assert active is not None, "a recv node ran outside a distributed backward phase"
+    counters["gradient_tensors_sent"] += sum(g is not None for g in grads)
+    if record.from_worker == active.reply_to:
+        # That worker is waiting for this phase's answer: the gradients go back inside it.
+        active.replies.append((record.message_id, grads))
+        counters["gradient_replies_sent"] += 1
+        return
     budget = max(active.deadline - time.monotonic() - _HOP_MARGIN_S, 0.1)
     fut = torch_rpc.rpc_async(
         record.from_worker,
         receive_gradients,
-        args=(record.context_id, record.message_id, grads, active.pass_id, budget),
+        args=(
+            record.context_id,
+            record.message_id,
+            grads,
+            active.pass_id,
+            budget,
+            _agent.worker_name(),
+        ),
         timeout=budget,
     )
     active.outgoing.append((record.from_worker, fut))
     counters["gradient_messages_sent"] += 1
-    counters["gradient_tensors_sent"] += sum(g is not None for g in grads)
 
 
 def receive_gradients(
-    context_id: int, message_id: int, grads: list[Tensor | None], pass_id: int, budget: float
-) -> None:
-    """RPC handler: run this worker's part of the pass from ``sends[message_id]``."""
+    context_id: int,
+    message_id: int,
+    grads: list[Tensor | None],
+    pass_id: int,
+    budget: float,
+    sender: str,
+) -> list[Reply]:
+    """RPC handler: run this worker's part of the pass from ``sends[message_id]``.
+
+    Returns the gradients this part produced for ``sender``'s own sends, which ``sender`` runs
+    when the answer arrives.
+    """
     me = _agent.worker_name()
     counters["gradient_messages_received"] += 1
     try:
         ctx = lookup(context_id)
-        with ctx.lock:
-            record = ctx.sends.get(message_id)
-        if record is None:
-            raise RpcAutogradError(
-                f"no send with autograd message id {message_id} in context {context_id}"
-            )
-        outputs, given = _pair(record, grads)
-        _run_and_wait(ctx, pass_id, budget, outputs, given, _leaves_of(record), owned=True)
+        outputs, given, leaves = _message_inputs(ctx, message_id, grads)
+        return _run_and_wait(
+            ctx, pass_id, budget, outputs, given, leaves, owned=True, reply_to=sender
+        )
     except Exception as exc:
         raise _as_backward_error(exc, me) from None
+
+
+def _message_inputs(
+    ctx: DistAutogradContext, message_id: int, grads: list[Tensor | None]
+) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
+    """Where a gradient message for ``sends[message_id]`` starts this worker's engine."""
+    with ctx.lock:
+        record = ctx.sends.get(message_id)
+    if record is None:
+        raise RpcAutogradError(
+            f"no send with autograd message id {message_id} in context {ctx.context_id}"
+        )
+    outputs, given = _pair(record, grads)
+    return outputs, given, _leaves_of(record)
 
 
 def _leaves_of(record: SendRecord) -> list[Tensor]:
@@ -149,23 +187,70 @@ def _run_and_wait(
     grads: list[Tensor],
     leaves: list[Tensor],
     owned: bool = False,
-) -> None:
-    """Run one local phase, then wait (outside the lock) for the gradients it shipped."""
-    active = _Pass(pass_id, deadline=time.monotonic() + budget)
+    reply_to: str | None = None,
+) -> list[Reply]:
+    """Run one local phase, then wait (outside the lock) for the gradients it shipped.
+
+    Answers that carry gradients for this worker's sends start further local phases here;
+    returns what those phases produced for ``reply_to``.
+    """
+    active = _Pass(pass_id, deadline=time.monotonic() + budget, reply_to=reply_to)
     with ctx.lock:
         ctx.passes_in_flight += 1
     try:
-        with ctx.lock:
-            previous, ctx.active_pass = ctx.active_pass, active
-            try:
-                if outputs:
-                    run_phase(ctx, outputs, grads, leaves, owned)
-            finally:
-                ctx.active_pass = previous
-        _wait_all(active.outgoing)
+        _run_phase_as(ctx, active, outputs, grads, leaves, owned)
+        _drain(ctx, active)
+        return active.replies
     finally:
         with ctx.lock:
             ctx.passes_in_flight -= 1
+
+
+def _run_phase_as(
+    ctx: DistAutogradContext,
+    active: _Pass,
+    outputs: list[Tensor],
+    grads: list[Tensor],
+    leaves: list[Tensor],
+    owned: bool,
+) -> None:
+    with ctx.lock:
+        previous, ctx.active_pass = ctx.active_pass, active
+        try:
+            if outputs:
+                run_phase(ctx, outputs, grads, leaves, owned)
+        finally:
+            ctx.active_pass = previous
+
+
+def _drain(ctx: DistAutogradContext, active: _Pass) -> None:
+    """Wait for every message ``active`` shipped, running the gradients their answers carry.
+
+    Those runs may ship more messages, which join the list. Every message is waited for (each
+    bounded by its RPC timeout) even after a failure; the first error is raised.
+    """
+    first: BaseException | None = None
+    waited = 0
+    while waited < len(active.outgoing):
+        peer, fut = active.outgoing[waited]
+        waited += 1
+        try:
+            replies: list[Reply] = fut.wait() or []
+        except Exception as exc:
+            if first is None:
+                first = _as_backward_error(exc, peer, delivering=True)
+            continue
+        if first is not None:
+            continue  # the pass has failed: start no more work
+        try:
+            for message_id, grads in replies:
+                counters["gradient_replies_received"] += 1
+                outputs, given, leaves = _message_inputs(ctx, message_id, grads)
+                _run_phase_as(ctx, active, outputs, given, leaves, owned=True)
+        except Exception as exc:
+            first = _as_backward_error(exc, _agent.worker_name())
+    if first is not None:
+        raise first
 
 
 def _wait_all(outgoing: list[tuple[str, Any]]) -> None:
