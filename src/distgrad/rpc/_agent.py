@@ -39,8 +39,9 @@ def init_rpc(
     worker serves incoming calls on ``num_worker_threads`` threads; a distributed backward holds
     one thread per hop while it waits, so chains deeper than that need more threads.
     """
-    global _timeout_s
+    global _timeout_s, _me
     _timeout_s = float(timeout)
+    _me = None
     options = torch_rpc.TensorPipeRpcBackendOptions(
         num_worker_threads=num_worker_threads,
         rpc_timeout=timeout,
@@ -59,11 +60,13 @@ def shutdown(graceful: bool = True) -> None:
     """
     from distgrad.rpc.context import _forget_all, wait_for_releases
 
+    global _me
     wait_for_releases()
     try:
         torch_rpc.shutdown(graceful=graceful)
     finally:
         _forget_all()
+        _me = None
 
 
 def rpc_timeout() -> float:
@@ -71,14 +74,27 @@ def rpc_timeout() -> float:
     return _timeout_s
 
 
+# (name, id) of this worker, read from the agent once: asking the agent costs a few
+# microseconds, and the engine asks several times per message.
+_me: tuple[str, int] | None = None
+
+
+def _whoami() -> tuple[str, int]:
+    global _me
+    if _me is None:
+        info = torch_rpc.get_worker_info()
+        _me = (str(info.name), int(info.id))
+    return _me
+
+
 def worker_name() -> str:
     """This worker's name in the RPC group."""
-    return str(torch_rpc.get_worker_info().name)
+    return _whoami()[0]
 
 
 def worker_id() -> int:
     """This worker's id (its rank) in the RPC group."""
-    return int(torch_rpc.get_worker_info().id)
+    return _whoami()[1]
 
 
 def name_of(to: str | int | WorkerInfo) -> str:
