@@ -112,11 +112,18 @@ def _api(rank: int, world_size: int) -> None:
         # come back, one is unused, so two tensors travel back (and one to the caller's caller).
         with dgrpc.context() as cid:
             parts = dgrpc.rpc_sync("worker1", torch.split, args=(a * b, 1))
-            before = dgrpc.debug_state()
+            before, before1 = dgrpc.debug_state(), _states(2)[1]
             dgrpc.backward(cid, [(parts[0] * 2 + parts[2]).sum()], mode=mode)
-            after = dgrpc.debug_state()
+            after, after1 = dgrpc.debug_state(), _states(2)[1]
         assert after["gradient_messages_sent"] - before["gradient_messages_sent"] == 1
         assert after["gradient_tensors_sent"] - before["gradient_tensors_sent"] == 2
+        if mode == "fast":
+            # The gradient of a * b goes back to worker0 inside the answer to worker0's
+            # message, not as a message of its own.
+            sent = after1["gradient_messages_sent"] - before1["gradient_messages_sent"]
+            replied = after1["gradient_replies_sent"] - before1["gradient_replies_sent"]
+            got = after["gradient_replies_received"] - before["gradient_replies_received"]
+            assert (sent, replied, got) == (0, 1, 1), (sent, replied, got)
     # Nothing leaks over 1000 contexts, half of them with a backward, in both modes.
     x = _x(5, 2)
     for i in range(1000):

@@ -87,6 +87,16 @@ class DistAutogradContext:
             return None if held is None else held[1]
 
 
+_COUNTER_NAMES = (
+    "gradient_messages_sent",
+    "gradient_tensors_sent",
+    "gradient_messages_received",
+    "gradient_replies_sent",
+    "gradient_replies_received",
+    "lineage_messages_sent",
+    "engine_runs",
+    "release_failures",
+)
 _registry: dict[int, DistAutogradContext] = {}
 # Running totals on this worker, for tests and the benchmark (see debug_state).
 counters: collections.Counter[str] = collections.Counter()
@@ -302,12 +312,15 @@ def debug_state() -> dict[str, int]:
     ``smart_passes`` (SMART state held), ``sends`` and ``recvs`` (records in live contexts), and
     running totals since the worker started: ``gradient_messages_sent``,
     ``gradient_tensors_sent`` (``None`` gradients are not counted: they travel as ``None``),
-    ``gradient_messages_received``, ``lineage_messages_sent``, ``engine_runs`` (calls of the
-    local autograd engine).
+    ``gradient_messages_received``, ``gradient_replies_sent`` and ``gradient_replies_received``
+    (FAST: gradients that rode back inside the answer to a gradient message),
+    ``lineage_messages_sent``, ``engine_runs`` (calls of the local autograd engine) and
+    ``release_failures``.
     """
     with _registry_lock:
         contexts = list(_registry.values())
     return {
+        **dict.fromkeys(_COUNTER_NAMES, 0),
         **counters,
         "contexts": len(contexts),
         "passes_in_flight": sum(c.passes_in_flight for c in contexts),

@@ -80,6 +80,12 @@ def run_phase(
     The caller holds ``ctx.lock`` and has set ``ctx.active_pass``. The graph is retained: a
     later message of the same pass may reach the same nodes.
     """
+    if owned and all(t.grad_fn is None and not t._backward_hooks for t in outputs):
+        # The message's tensors are leaves of this worker (a round trip's arguments, say):
+        # their gradients are the ones that arrived, and the engine has nothing to run.
+        for leaf, grad in zip(outputs, grads, strict=True):
+            ctx.accumulate(leaf, grad)
+        return
     inputs = [*leaves, ctx.anchor]
     counters["engine_runs"] += 1
     found = torch.autograd.grad(outputs, inputs, grads, retain_graph=True, allow_unused=True)

@@ -91,6 +91,18 @@ def _map_tensors(obj: Any, fn: Callable[[Tensor], Tensor]) -> Any:
     return obj
 
 
+def _tensors_in(obj: Any, found: list[Tensor]) -> None:
+    """Append the tensors inside ``obj`` to ``found``, in :func:`_map_tensors`'s order."""
+    if isinstance(obj, Tensor):
+        found.append(obj)
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            _tensors_in(x, found)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            _tensors_in(x, found)
+
+
 def detach_for_send(
     ctx: DistAutogradContext, to_worker: str, payload: Any
 ) -> tuple[Any, int | None, list[int]]:
@@ -134,17 +146,9 @@ def attach_recv(
         ctx.known_workers.add(from_worker)
     if message_id is None:
         return payload
-    found: list[Tensor] = []
-    counter = [0]
-    wanted = set(positions)
-
-    def collect(t: Tensor) -> Tensor:
-        if counter[0] in wanted:
-            found.append(t)
-        counter[0] += 1
-        return t
-
-    _map_tensors(payload, collect)
+    every: list[Tensor] = []
+    _tensors_in(payload, every)
+    found = [every[i] for i in positions]
     record = RecvRecord(message_id, from_worker, ctx.context_id, len(found))
     with torch.enable_grad():
         outputs = _RecvFunction.apply(  # type: ignore[no-untyped-call]
@@ -153,7 +157,7 @@ def attach_recv(
     with ctx.lock:
         ctx.recvs[message_id] = record
     replaced: dict[int, Tensor] = dict(zip(positions, outputs, strict=True))
-    counter[0] = 0
+    counter = [0]
 
     def substitute(t: Tensor) -> Tensor:
         index = counter[0]
