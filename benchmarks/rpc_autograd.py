@@ -131,17 +131,23 @@ def _bench(rank: int, world_size: int, cases: list[tuple[str, int, int]]) -> lis
                 for _ in range(_COUNTED):
                     variants[name]()
                 messages[name] = (_total_messages(world_size) - before) / _COUNTED
-        base = statistics.median(times.get("torch.distributed.autograd", [float("nan")]))
+        torch_times = times.get("torch.distributed.autograd")
         for name in variants:
-            med = statistics.median(times[name])
+            # The paired ratio compares each variant with torch's iteration of the same round,
+            # so a slow stretch of the machine slows both sides of the ratio.
+            paired = (
+                statistics.median(t / b for t, b in zip(times[name], torch_times, strict=True))
+                if torch_times
+                else float("nan")
+            )
             rows.append(
                 {
                     "workload": workload,
                     "shape": f"{n}x{n}",
                     "workers": world_size,
                     "variant": name,
-                    "median_ms": med * 1e3,
-                    "ratio": med / base,
+                    "median_ms": statistics.median(times[name]) * 1e3,
+                    "ratio": paired,
                     "messages": messages.get(name),
                     "iters": iters,
                 }
@@ -151,8 +157,8 @@ def _bench(rank: int, world_size: int, cases: list[tuple[str, int, int]]) -> lis
 
 def _table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| workload | shape | workers | variant | median ms / iteration | ratio to torch | "
-        "messages / backward |",
+        "| workload | shape | workers | variant | median ms / iteration | "
+        "ratio to torch (paired median) | messages / backward |",
         "|---|---|---|---|---:|---:|---:|",
     ]
     for r in rows:
@@ -168,14 +174,21 @@ def _table(rows: list[dict[str, Any]]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="few iterations, no results file")
+    parser.add_argument("--runs", type=int, default=3, help="independent runs (fresh workers)")
     args = parser.parse_args()
     scale = 0.1 if args.quick else 1.0
-    two = [("add", 3, int(500 * scale)), ("add", 1000, int(100 * scale))]
+    two = [("add", 3, int(500 * scale)), ("add", 1000, int(200 * scale))]
     four = [("chain", 3, int(200 * scale)), ("fanout", 3, int(200 * scale))]
-    rows = run_on_ranks(_bench, 2, args=(two,), init="rpc", timeout=600)[0]
-    rows += run_on_ranks(_bench, 4, args=(four,), init="rpc", timeout=600)[0]
-    table = _table(rows)
-    print(table)
+    sections = []
+    for run in range(1 if args.quick else args.runs):
+        load = os.getloadavg()[0]
+        rows = run_on_ranks(_bench, 2, args=(two,), init="rpc", timeout=600)[0]
+        rows += run_on_ranks(_bench, 4, args=(four,), init="rpc", timeout=600)[0]
+        table = _table(rows)
+        print(table, flush=True)
+        sections.append(
+            f"## Run {run + 1} (1-minute load average {load:.1f} before it)\n\n{table}\n"
+        )
     if args.quick:
         return
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
@@ -183,11 +196,12 @@ def main() -> None:
         f"# Distributed autograd over RPC: distgrad vs torch.distributed.autograd\n\n"
         f"Measured {datetime.date.today()} on {platform.machine()}, {os.cpu_count()} CPU cores, "
         f"torch {torch.__version__}, TensorPipe over loopback TCP; one process per worker, "
-        f"one intra-op thread each. Medians over the iterations shown in the script "
-        f"(variants interleaved in shuffled order). Produced by "
-        f"`python benchmarks/rpc_autograd.py`.\n\n"
+        f"one intra-op thread each; {args.runs} independent runs of "
+        f"`python benchmarks/rpc_autograd.py`. In each run every variant runs once per round, "
+        f"in a shuffled order, for the rounds given in the script; the ratio is the median over "
+        f"rounds of the variant's time over torch's time in the same round.\n\n"
     )
-    RESULTS.write_text(header + table + "\n")
+    RESULTS.write_text(header + "\n".join(sections))
 
 
 if __name__ == "__main__":

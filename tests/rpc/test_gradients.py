@@ -155,6 +155,15 @@ def _check_cases(rank: int, world_size: int, names: list[str], mode: str) -> lis
                 assert d is not None, f"{name}: input {j} got no gradient"
                 tol: dict[str, Any] = {"rtol": 1e-5, "atol": 1e-6} if name == "dtypes" else {}
                 torch.testing.assert_close(d, r, msg=lambda m, n=name, j=j: f"{n}[{j}]: {m}", **tol)
+        # Like .grad: each gradient is laid out like its tensor and shares memory with no other
+        # gradient (an add's backward hands one tensor to both inputs; a sum's is an expanded
+        # view), so changing one in place cannot change another.
+        grads = [d for d in got if d is not None]
+        storages = {d.untyped_storage().data_ptr() for d in grads}
+        assert len(storages) == len(grads), f"{name}: gradients share memory"
+        for x, d in zip(_leaves(i, SHAPE, grad), got, strict=True):
+            if d is not None:
+                assert d.stride() == x.stride(), f"{name}: gradient strides {d.stride()}"
         done.append(name)
     return done
 

@@ -62,6 +62,7 @@ class DistAutogradContext:
         self.known_workers: set[str] = set()
         # id(tensor) -> (tensor, accumulated gradient)
         self._grads: dict[int, tuple[Tensor, Tensor]] = {}
+        self._storages: set[int] = set()  # where the stored gradients' memory starts
         # A leaf every recv node hangs from, so that a backward asked for leaf gradients still
         # runs the recv nodes (torch only runs nodes on a path to a requested input).
         self.anchor = torch.zeros((), requires_grad=True)
@@ -72,10 +73,25 @@ class DistAutogradContext:
         self.aborted_passes: set[int] = set()
 
     def accumulate(self, tensor: Tensor, grad: Tensor) -> None:
-        """Add ``grad`` to the gradient stored for ``tensor`` (out of place)."""
+        """Add ``grad`` to the gradient stored for ``tensor`` (out of place).
+
+        What is stored is a gradient of its own, as ``.grad`` would be: dense, laid out like
+        ``tensor``, sharing memory with no other stored gradient. A gradient that is not (an
+        expanded view such as the gradient of a ``sum``, a slice of a larger buffer, or one
+        tensor handed to two leaves by an add's backward) is copied first, so that changing
+        one gradient in place never changes another.
+        """
         key = id(tensor)
         held = self._grads.get(key)
-        self._grads[key] = (tensor, grad if held is None else held[1] + grad)
+        if held is not None:
+            self._storages.discard(_storage_of(held[1]))
+            stored = held[1] + grad
+        elif _owns_its_memory(tensor, grad) and _storage_of(grad) not in self._storages:
+            stored = grad
+        else:
+            stored = torch.empty_like(tensor).copy_(grad)  # empty_like keeps tensor's layout
+        self._storages.add(_storage_of(stored))
+        self._grads[key] = (tensor, stored)
 
     def gradients(self) -> dict[Tensor, Tensor]:
         with self.lock:
@@ -85,6 +101,31 @@ class DistAutogradContext:
         with self.lock:
             held = self._grads.get(id(tensor))
             return None if held is None else held[1]
+
+
+def _storage_of(t: Tensor) -> int:
+    return int(t.untyped_storage().data_ptr())
+
+
+def _owns_its_memory(tensor: Tensor, grad: Tensor) -> bool:
+    """Whether ``grad`` fills its whole storage and is laid out like ``tensor`` (see
+    ``AccumulateGrad``'s layout contract: dense tensors' gradients take their strides)."""
+    if grad.untyped_storage().nbytes() != grad.numel() * grad.element_size():
+        return False
+    if _is_dense(tensor):
+        return grad.stride() == tensor.stride()
+    return grad.is_contiguous()
+
+
+def _is_dense(t: Tensor) -> bool:
+    """Whether ``t``'s elements tile one block of memory without gaps or overlaps."""
+    expected = 1
+    dims = sorted((st, sz) for st, sz in zip(t.stride(), t.shape, strict=True) if sz != 1)
+    for stride, size in dims:
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 _COUNTER_NAMES = (
