@@ -85,6 +85,22 @@ def test_a_peer_waiting_in_a_collective_is_ended_within_the_grace_period() -> No
     assert time.monotonic() - start < 8
 
 
+def _finish_first_on_rank_0(rank: int, world_size: int, folder: str) -> bool:
+    if rank == 0:
+        with open(os.path.join(folder, "pid0"), "w") as f:
+            f.write(str(os.getpid()))
+        return True
+    time.sleep(0.5)
+    with open(os.path.join(folder, "pid0")) as f:
+        return _alive(int(f.read()))
+
+
+def test_a_rank_that_finishes_first_stays_until_its_peers_finish(tmp_path: object) -> None:
+    """Its connections stay up while peers still work (gloo connects a new sub-group's members
+    in the background; a peer mid-connect failed when a finished rank left at once)."""
+    assert run_on_ranks(_finish_first_on_rank_0, 2, args=(str(tmp_path),)) == [True, True]
+
+
 def _return_a_lambda(rank: int, world_size: int) -> object:
     return lambda: rank
 

@@ -13,10 +13,15 @@ Why it is built this way (measured on a 2-core machine):
 * Fail fast: each rank stamps its error with the time it happened; after the first failure the
   others get a short grace period (to report their own view) and are then killed, and one error
   lists every rank's traceback, earliest first, so the root cause is on top.
+* Leave together, briefly: a rank whose function returned waits (through the store, at most two
+  seconds) for its peers' functions to return before it tears its connections down, so that
+  it cannot break a connection a peer is still making, yet a peer stuck in a collective the
+  rank skipped still fails within seconds.
 """
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import multiprocessing as mp
 import multiprocessing.connection
@@ -39,6 +44,7 @@ __all__ = ["run_on_ranks"]
 Init = Literal["process_group", "rpc", "none"]
 
 _GRACE_S = 2.0  # after the first failure, how long peers may still report before being killed
+_LEAVE_GRACE_S = 2.0  # how long a finished rank waits for its peers to finish before leaving
 # torch.autograd imports symbolic_shapes lazily the first time a backward is given explicit
 # gradients (about 1.3 s); every distributed backward over RPC does that on each worker.
 _PRELOAD = ["torch", "torch.distributed", "torch.fx.experimental.symbolic_shapes", "distgrad"]
@@ -104,7 +110,9 @@ def run_on_ranks(
     or nothing (``init="none"``). ``fn`` and ``args`` must pickle, so ``fn`` lives at module
     level; scripts that call this need an ``if __name__ == "__main__":`` guard.
 
-    Returns each rank's return value, indexed by rank (they travel back pickled).
+    Returns each rank's return value, indexed by rank (they travel back pickled). A rank whose
+    ``fn`` returned keeps its process group up until every rank's ``fn`` has returned, or two
+    seconds at most.
 
     Raises :class:`~distgrad.errors.RankFailedError` if any rank raises, dies or runs past
     ``timeout`` seconds. Its message lists every failing rank's traceback, earliest first; the
@@ -245,7 +253,7 @@ def _rank_main(
     # Two ranks on two cores leave no room for intra-op threads.
     torch.set_num_threads(1)
     try:
-        _join(spec)
+        store = _join(spec)
         value = fn(spec.rank, spec.world_size, *args)
         outcome = _Outcome(rank=spec.rank, ok=True, value=value)
         try:
@@ -254,7 +262,7 @@ def _rank_main(
             raise TypeError(
                 f"the value returned on rank {spec.rank} does not pickle: {exc}"
             ) from exc
-        _leave(spec)
+        _leave(spec, store)
     except BaseException as exc:
         when = time.time()
         summary = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
@@ -274,10 +282,12 @@ def _rank_main(
     faulthandler.cancel_dump_traceback_later()
 
 
-def _join(spec: _RankSpec) -> None:
+def _join(spec: _RankSpec) -> Any:
+    """Join the group ``spec`` asks for; returns the process group's store, if any."""
     import torch.distributed as dist
 
     timeout = timedelta(seconds=spec.collective_timeout)
+    store = None
     if spec.init == "process_group":
         store = dist.FileStore(  # type: ignore[attr-defined]
             os.path.join(spec.rendezvous_dir, "store"), spec.world_size
@@ -295,12 +305,30 @@ def _join(spec: _RankSpec) -> None:
             init_method=f"file://{os.path.join(spec.rendezvous_dir, 'rpc')}",
             timeout=spec.collective_timeout,
         )
+    return store
 
 
-def _leave(spec: _RankSpec) -> None:
+def _wait_for_peers_to_finish(spec: _RankSpec, store: Any) -> None:
+    """Wait, at most ``_LEAVE_GRACE_S``, until every rank's function has returned.
+
+    A rank that tore down its connections the moment its function returned could break a peer
+    still making one: gloo connects a new sub-group's members in the background, and a peer
+    whose connect is in flight fails with "Connection closed by peer". The wait goes through
+    the store, not a collective, and is short: a peer stuck in a collective this rank skipped
+    must still fail soon, when this rank leaves, rather than wait for its timeout.
+    """
+    keys = [f"distgrad/finished/{rank}" for rank in range(spec.world_size)]
+    store.set(keys[spec.rank], "1")
+    # A timeout (DistStoreError) means a peer is still busy: leave anyway.
+    with contextlib.suppress(Exception):
+        store.wait(keys, timedelta(seconds=_LEAVE_GRACE_S))
+
+
+def _leave(spec: _RankSpec, store: Any) -> None:
     import torch.distributed as dist
 
     if spec.init == "process_group" and dist.is_initialized():
+        _wait_for_peers_to_finish(spec, store)
         dist.destroy_process_group()
     elif spec.init == "rpc":
         from distgrad import rpc
