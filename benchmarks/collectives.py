@@ -48,6 +48,7 @@ from distgrad.collectives.all_reduce import apply_all_reduce
 from distgrad.testing import run_on_ranks
 
 SHAPES = [(256, 128), (4096, 512), (16384, 1024)]
+ITERATIONS = {256: 200, 4096: 100, 16384: 30}  # rounds per shape (every variant once a round)
 OPS = ["all_gather", "all_reduce", "reduce_scatter"]
 RESULTS = Path(__file__).parent / "results" / "collectives.md"
 
@@ -197,7 +198,7 @@ def _bench(rank: int, world_size: int, quick: bool) -> dict[str, Any]:
     warnings.filterwarnings("ignore")  # torch.distributed.nn and old names warn on every call
     results: dict[str, Any] = {}
     for shape in SHAPES:
-        iters = 3 if quick else {256: 100, 4096: 40, 16384: 10}[shape[0]]
+        iters = 3 if quick else ITERATIONS[shape[0]]
         x = torch.randn(shape, generator=torch.Generator().manual_seed(rank)).requires_grad_()
         for op in OPS:
             variants = _variants(op)
@@ -212,7 +213,15 @@ def _bench(rank: int, world_size: int, quick: bool) -> dict[str, Any]:
                 for name in order:
                     x.grad = None
                     times[name].append(_timed(variants[name], x, v))
-            results[f"{op} {shape}"] = {k: statistics.median(t) for k, t in times.items()}
+            # Paired: each variant against the floor of the same round, so that a slow stretch
+            # of the machine slows both sides of the ratio.
+            results[f"{op} {shape}"] = {
+                k: (
+                    statistics.median(t),
+                    statistics.median(a / b for a, b in zip(t, times["floor"], strict=True)),
+                )
+                for k, t in times.items()
+            }
         results[f"handshake {shape}"] = _handshake_time(x, iters)
     return results
 
@@ -234,14 +243,13 @@ def _table(results: dict[str, Any]) -> list[str]:
     for op in OPS:
         for shape in SHAPES:
             row = results[f"{op} {shape}"]
-            floor = row["floor"]
             cells = []
             for name in names:
                 if name not in row:
                     cells.append("")
                     continue
-                ms = row[name] * 1e3
-                cells.append(f"{ms:.2f} ms ({row[name] / floor:.2f}x)")
+                median, paired = row[name]
+                cells.append(f"{median * 1e3:.2f} ms ({paired:.2f}x)")
             lines.append(f"| {op} {shape} | " + " | ".join(cells) + " |")
     return lines
 
@@ -253,7 +261,7 @@ def _handshake_lines(results: dict[str, Any]) -> list[str]:
     ]
     for shape in SHAPES:
         hs = results[f"handshake {shape}"]
-        total = results[f"all_reduce {shape}"]["distgrad"]
+        total = results[f"all_reduce {shape}"]["distgrad"][0]
         lines.append(f"| {shape} | {hs * 1e6:.0f} us | {total * 1e3:.2f} ms | {hs / total:.1%} |")
     return lines
 
@@ -274,9 +282,11 @@ def main() -> None:
         f"torch {torch.__version__}, by `python benchmarks/collectives.py` "
         f"({'quick' if args.quick else 'full'} run, {took:.0f} s). Medians of the slower rank's "
         "time per iteration; every variant ran interleaved with the others in the same two "
-        "processes, in a shuffled order each iteration, each timed until its results are "
-        "readable; ratios are to the floor in the same row. Iterations: 100 at (256, 128), "
-        "40 at (4096, 512), 10 at (16384, 1024).",
+        "processes, in a shuffled order each round, each timed until its results are "
+        "readable. Each cell is the median time and, in brackets, the median over rounds of "
+        "the variant's time over the floor's time in the same round. Rounds: "
+        + ", ".join(f"{n} at {s}" for s, n in zip(SHAPES, ITERATIONS.values(), strict=True))
+        + ".",
         "",
         f"Noise: the 1-minute load average was {load_before:.1f} before and {load_after:.1f} "
         f"after the run on {os.cpu_count()} cores (other work shared the machine; both ranks and "
