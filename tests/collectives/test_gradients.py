@@ -95,9 +95,19 @@ def replicated_cases(n: int) -> list[Case]:
 
 
 def check_case(
-    rank: int, n: int, case: Case, dtype: torch.dtype, device: str = "cpu", group: Any = None
+    rank: int,
+    n: int,
+    case: Case,
+    dtype: torch.dtype,
+    device: str = "cpu",
+    group: Any = None,
+    in_place: bool = False,
 ) -> None:
-    """Run ``case`` as group rank ``rank`` of ``n`` and compare with the reference."""
+    """Run ``case`` as group rank ``rank`` of ``n`` and compare with the reference.
+
+    ``in_place``: double the output in place before the loss (an output is a tensor of its
+    own, which autograd lets the caller modify), so the gradient doubles too.
+    """
     xs = inputs(case, dtype)
     expected = outputs(case, xs)
     if case.kwargs.get("objective") == "replicated":
@@ -113,23 +123,31 @@ def check_case(
     torch.testing.assert_close(
         out.cpu(), expected[rank], **TOL[dtype], msg=lambda m: f"forward: {m}"
     )
+    if in_place:
+        out.mul_(2.0)
     (out * vs[rank].to(device)).sum().backward()
     if not passes_none:
         got = (x.grad if x.grad is not None else torch.zeros_like(x)).cpu()
-        torch.testing.assert_close(got, grads[rank], **TOL[dtype], msg=lambda m: f"gradient: {m}")
+        want = grads[rank] * (2.0 if in_place else 1.0)
+        torch.testing.assert_close(got, want, **TOL[dtype], msg=lambda m: f"gradient: {m}")
 
 
 def check_all(rank: int, n: int, which: str, dtype_name: str, device: str = "cpu") -> list[str]:
     dtype = getattr(torch, dtype_name)
     if device == "cuda":
         torch.cuda.set_device(rank)
-    chosen = {"main": cases, "edge": edge_cases, "replicated": replicated_cases}[which](n)
+    if which == "in_place":
+        # Outputs of the linear ops; prod/max/min outputs are saved by their local reduction's
+        # backward, so modifying them in place is an autograd error, as with torch.prod.
+        chosen = [c for c in cases(n) if c.kwargs.get("op", "sum") in ("sum", "avg")]
+    else:
+        chosen = {"main": cases, "edge": edge_cases, "replicated": replicated_cases}[which](n)
     failures = []
     for case in chosen:
         try:
-            check_case(rank, n, case, dtype, device)
-        except AssertionError as exc:
-            failures.append(f"rank {rank}: {case}: {exc}")
+            check_case(rank, n, case, dtype, device, in_place=which == "in_place")
+        except (AssertionError, RuntimeError) as exc:
+            failures.append(f"rank {rank}: {case}: {str(exc)[:300]}")
     return failures
 
 
@@ -158,6 +176,11 @@ def test_prod_with_zeros_and_max_min_with_ties_match_torch(world_size: int) -> N
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_replicated_objective_counts_the_shared_loss_once(world_size: int) -> None:
     _assert_none_failed(run_on_ranks(check_all, world_size, args=("replicated", "float64")))
+
+
+def test_outputs_can_be_modified_in_place() -> None:
+    """Every op returns a tensor of its own: doubling it in place doubles the gradient."""
+    _assert_none_failed(run_on_ranks(check_all, 2, args=("in_place", "float64")))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (NCCL)")

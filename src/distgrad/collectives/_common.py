@@ -38,6 +38,7 @@ __all__ = [
     "needs_grad",
     "normalize_dim",
     "op_problem",
+    "output",
     "split_sizes",
     "to_front",
 ]
@@ -232,6 +233,17 @@ def to_front(x: Tensor, dim: int) -> Tensor:
 
 def from_front(y: Tensor, dim: int) -> Tensor:
     return y if dim == 0 else y.movedim(0, dim)
+
+
+def output(y: Tensor) -> Tensor:
+    """``y`` as an autograd Function may return it: a tensor of its own, not a view.
+
+    Autograd forbids modifying a custom Function's output in place when that output is a view
+    (``movedim`` for ``dim != 0``, a slice of a padded buffer), so the caller could not, say,
+    scale an all_gather's result in place. ``detach()`` aliases the same memory without the
+    view relation.
+    """
+    return y.detach() if y._base is not None else y
 
 
 def near_even(total: int, parts: int) -> list[int]:

@@ -35,7 +35,7 @@ class _AllGather(torch.autograd.Function):
     def forward(ctx: FunctionCtx, x: Tensor, plan: _Plan, anchor: Tensor | None) -> Tensor:
         ctx.plan = plan  # type: ignore[attr-defined]
         gathered = _comm.all_gather(c.to_front(x, plan.dim), plan.sizes, plan.group)
-        return c.from_front(gathered, plan.dim)
+        return c.output(c.from_front(gathered, plan.dim))
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None]:
@@ -56,7 +56,7 @@ class _ReduceScatterSum(torch.autograd.Function):
     def forward(ctx: FunctionCtx, x: Tensor, plan: _Plan, anchor: Tensor | None) -> Tensor:
         ctx.plan = plan  # type: ignore[attr-defined]
         summed = _comm.reduce_scatter(c.to_front(x, plan.dim), plan.sizes, plan.group)
-        return c.from_front(summed, plan.dim)
+        return c.output(c.from_front(summed, plan.dim))
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None]:

@@ -35,7 +35,7 @@ class _AllToAll(torch.autograd.Function):
         ctx.plan = plan  # type: ignore[attr-defined]
         moved = c.to_front(x, plan.dim)
         out = _comm.all_to_all(moved, plan.input_sizes, plan.output_sizes, plan.group)
-        return c.from_front(out, plan.dim)
+        return c.output(c.from_front(out, plan.dim))
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None]:

@@ -40,7 +40,7 @@ class _Gather(torch.autograd.Function):
         out = _comm.gather(moved, plan.sizes, plan.root, plan.group)
         if out is None:  # not the destination: an empty slice along dim
             out = moved.new_empty((0, *moved.shape[1:]))
-        return c.from_front(out, plan.dim)
+        return c.output(c.from_front(out, plan.dim))
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None]:
@@ -60,7 +60,7 @@ class _Scatter(torch.autograd.Function):
         out = _comm.scatter(
             moved, plan.sizes, plan.root, plan.trailing, plan.dtype, plan.device, plan.group
         )
-        return c.from_front(out, plan.dim)
+        return c.output(c.from_front(out, plan.dim))
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None]:
