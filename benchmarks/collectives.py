@@ -289,9 +289,9 @@ def main() -> None:
         + ".",
         "",
         f"Noise: the 1-minute load average was {load_before:.1f} before and {load_after:.1f} "
-        f"after the run on {os.cpu_count()} cores (other work shared the machine; both ranks and "
-        "gloo's threads share the cores). Single ratios move between runs accordingly; compare "
-        "columns within a row, and re-run on a quiet machine for absolute claims.",
+        f"after the run on {os.cpu_count()} cores (the two ranks alone keep it near 2; with "
+        "their gloo threads they contend for the cores). Single ratios move by a few percent "
+        "between runs; compare columns within a row.",
         "",
         *_table(results),
         "",
