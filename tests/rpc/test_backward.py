@@ -138,6 +138,25 @@ def test_hooks_retain_graph_errors_no_zero_gradients_and_no_leaks() -> None:
     run_on_ranks(_api, 2, init="rpc", timeout=90.0)
 
 
+def _sent_results_are_not_kept(rank: int, world_size: int) -> None:
+    if rank != 0:
+        return
+    for mode in MODES:
+        a, b = _x(7, 64, 64), _x(8, 64, 64)
+        with dgrpc.context() as cid:
+            y = dgrpc.rpc_sync("worker1", F.add_and_watch, args=(a, b))
+            # worker1 keeps the graph behind the result it sent, not the result's data.
+            assert not torch_rpc.rpc_sync("worker1", F.last_result_alive)
+            dgrpc.backward(cid, [(y * y).sum()], mode=mode)
+            grads = dgrpc.get_gradients(cid)
+        torch.testing.assert_close(grads[a], 2 * (a + b).detach())
+        torch.testing.assert_close(grads[b], 2 * (a + b).detach())
+
+
+def test_a_worker_does_not_keep_the_data_of_tensors_it_sent() -> None:
+    run_on_ranks(_sent_results_are_not_kept, 2, init="rpc", timeout=60.0)
+
+
 def _dead_worker(rank: int, world_size: int) -> None:
     if rank != 0:
         return

@@ -33,12 +33,13 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.autograd.graph import GradientEdge
 from torch.distributed import rpc as torch_rpc
 
 from distgrad.errors import RpcAutogradError
 from distgrad.rpc import _agent
 from distgrad.rpc.context import DistAutogradContext, _Pass, counters, lookup
-from distgrad.rpc.send_recv import SendRecord
+from distgrad.rpc.send_recv import SendRecord, Target, edge_of
 
 __all__ = ["backward", "ship_gradients"]
 
@@ -46,13 +47,15 @@ _MARKER = "distributed backward failed on "
 _HOP_MARGIN_S = 0.5  # each hop gives its callee this much less time, so the deepest error wins
 
 
-def find_leaves(outputs: Sequence[Tensor]) -> list[Tensor]:
+def find_leaves(outputs: Sequence[Target]) -> list[Tensor]:
     """Every leaf tensor requiring grad reachable backwards from ``outputs``, in a stable order."""
     leaves: dict[int, Tensor] = {}
     seen: set[int] = set()
     stack: list[Any] = []
     for t in outputs:
-        if t.grad_fn is None:
+        if isinstance(t, GradientEdge):
+            stack.append(t.node)
+        elif t.grad_fn is None:
             leaves.setdefault(id(t), t)
         else:
             stack.append(t.grad_fn)
@@ -70,7 +73,7 @@ def find_leaves(outputs: Sequence[Tensor]) -> list[Tensor]:
 
 def run_phase(
     ctx: DistAutogradContext,
-    outputs: list[Tensor],
+    outputs: Sequence[Target],
     grads: list[Tensor],
     leaves: list[Tensor],
     owned: bool = False,
@@ -80,15 +83,22 @@ def run_phase(
     The caller holds ``ctx.lock`` and has set ``ctx.active_pass``. The graph is retained: a
     later message of the same pass may reach the same nodes.
     """
-    if owned and all(t.grad_fn is None and not t._backward_hooks for t in outputs):
+    sent_leaves = [t for t in outputs if isinstance(t, Tensor) and t.grad_fn is None]
+    if (
+        owned
+        and len(sent_leaves) == len(outputs)
+        and not any(t._backward_hooks for t in sent_leaves)
+    ):
         # The message's tensors are leaves of this worker (a round trip's arguments, say):
         # their gradients are the ones that arrived, and the engine has nothing to run.
-        for leaf, grad in zip(outputs, grads, strict=True):
+        for leaf, grad in zip(sent_leaves, grads, strict=True):
             ctx.accumulate(leaf, grad)
         return
     inputs = [*leaves, ctx.anchor]
     counters["engine_runs"] += 1
-    found = torch.autograd.grad(outputs, inputs, grads, retain_graph=True, allow_unused=True)
+    # The engine takes tensors or edges, not a mix (as typed): a leaf's edge is its own.
+    starts = [edge_of(t) for t in outputs]
+    found = torch.autograd.grad(starts, inputs, grads, retain_graph=True, allow_unused=True)
     # A leaf that is also an output gets its given gradient back as is; copy it only if the
     # caller may still hold it (gradients that arrived over RPC are ours alone).
     given = {id(g) for g in grads} if not owned else set()
@@ -157,7 +167,7 @@ def receive_gradients(
 
 def _message_inputs(
     ctx: DistAutogradContext, message_id: int, grads: list[Tensor | None]
-) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
+) -> tuple[list[Target], list[Tensor], list[Tensor]]:
     """Where a gradient message for ``sends[message_id]`` starts this worker's engine."""
     with ctx.lock:
         record = ctx.sends.get(message_id)
@@ -171,16 +181,16 @@ def _message_inputs(
 
 def _leaves_of(record: SendRecord) -> list[Tensor]:
     if record.leaves is None:
-        record.leaves = find_leaves(record.tensors)
+        record.leaves = find_leaves(record.targets)
     return record.leaves
 
 
-def _pair(record: SendRecord, grads: list[Tensor | None]) -> tuple[list[Tensor], list[Tensor]]:
-    outputs: list[Tensor] = []
+def _pair(record: SendRecord, grads: list[Tensor | None]) -> tuple[list[Target], list[Tensor]]:
+    outputs: list[Target] = []
     given: list[Tensor] = []
-    for tensor, grad in zip(record.tensors, grads, strict=True):
+    for target, grad in zip(record.targets, grads, strict=True):
         if grad is not None:
-            outputs.append(tensor)
+            outputs.append(target)
             given.append(grad)
     return outputs, given
 
@@ -189,7 +199,7 @@ def _run_and_wait(
     ctx: DistAutogradContext,
     pass_id: int,
     budget: float,
-    outputs: list[Tensor],
+    outputs: Sequence[Target],
     grads: list[Tensor],
     leaves: list[Tensor],
     owned: bool = False,
@@ -215,7 +225,7 @@ def _run_and_wait(
 def _run_phase_as(
     ctx: DistAutogradContext,
     active: _Pass,
-    outputs: list[Tensor],
+    outputs: Sequence[Target],
     grads: list[Tensor],
     leaves: list[Tensor],
     owned: bool,

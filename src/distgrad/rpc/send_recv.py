@@ -13,15 +13,25 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 from torch import Tensor
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from distgrad.rpc import _agent
 from distgrad.rpc.context import DistAutogradContext
 
-__all__ = ["RecvRecord", "SendRecord", "attach_recv", "detach_for_send", "is_recv_node"]
+__all__ = [
+    "RecvRecord",
+    "SendRecord",
+    "Target",
+    "attach_recv",
+    "detach_for_send",
+    "edge_of",
+    "is_recv_node",
+    "target_of",
+]
 
 _RECV_NODE_NAME = "_RecvFunctionBackward"
 
@@ -31,14 +41,29 @@ def is_recv_node(node: Any) -> bool:
     return type(node).__name__ == _RECV_NODE_NAME
 
 
+# Where a sent tensor's gradient enters this worker's graph: a leaf is kept as itself; any
+# other tensor as its gradient edge (its grad_fn and output number). The edge keeps the graph
+# but not the tensor's data, which can be freed as soon as the message is sent, and it still
+# names the value that was sent if the tensor is later modified in place.
+Target: TypeAlias = "Tensor | GradientEdge"
+
+
+def target_of(t: Tensor) -> Target:
+    return t if t.grad_fn is None else get_gradient_edge(t)
+
+
+def edge_of(target: Target) -> GradientEdge:
+    return target if isinstance(target, GradientEdge) else get_gradient_edge(target)
+
+
 @dataclass
 class SendRecord:
-    """The sending half of a pair: the tensors sent (requiring grad) and where they went."""
+    """The sending half of a pair: where the sent tensors' gradients enter, and where they went."""
 
     message_id: int
     to_worker: str
-    tensors: list[Tensor]
-    leaves: list[Tensor] | None = None  # leaves reachable from ``tensors``, found on first use
+    targets: list[Target]
+    leaves: list[Tensor] | None = None  # leaves reachable from ``targets``, found on first use
     reach: dict[int, Any] | None = None  # SMART: id -> node for every node reachable
     recvs_reached: list[tuple[int, str]] | None = None  # SMART: (recv message id, its sender)
 
@@ -111,7 +136,7 @@ def detach_for_send(
     Returns the payload to transmit, the message id (``None`` if nothing requires grad) and the
     positions, in traversal order, of the tensors that required grad.
     """
-    sent: list[Tensor] = []
+    sent: list[Target] = []
     positions: list[int] = []
     counter = [0]
 
@@ -119,7 +144,7 @@ def detach_for_send(
         index = counter[0]
         counter[0] += 1
         if t.requires_grad and torch.is_grad_enabled():
-            sent.append(t)
+            sent.append(target_of(t))
             positions.append(index)
             return t.detach()
         return t

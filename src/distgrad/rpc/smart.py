@@ -38,7 +38,7 @@ from distgrad.errors import RpcAutogradError
 from distgrad.rpc import _agent
 from distgrad.rpc.context import DistAutogradContext, _Pass, counters, lookup
 from distgrad.rpc.fast import _HOP_MARGIN_S, _as_backward_error, _wait_all
-from distgrad.rpc.send_recv import SendRecord, is_recv_node
+from distgrad.rpc.send_recv import SendRecord, edge_of, is_recv_node
 
 __all__ = ["smart_backward"]
 
@@ -78,7 +78,7 @@ def _walk(starts: list[Any], blocked: dict[int, Any]) -> tuple[dict[int, Any], l
 
 def _send_reach(ctx: DistAutogradContext, record: SendRecord) -> dict[int, Any]:
     if record.reach is None:
-        starts = [get_gradient_edge(t).node for t in record.tensors]
+        starts = [edge_of(t).node for t in record.targets]
         record.reach, recvs = _walk(starts, {})
         record.recvs_reached = [(n.message_id, ctx.recvs[n.message_id].from_worker) for n in recvs]
     return record.reach
@@ -347,9 +347,7 @@ def _receive_smart(
             state.pending.discard(message_id)
             record = ctx.sends[message_id]
         edges = [
-            (get_gradient_edge(t), g)
-            for t, g in zip(record.tensors, grads, strict=True)
-            if g is not None
+            (edge_of(t), g) for t, g in zip(record.targets, grads, strict=True) if g is not None
         ]
         _deliver(ctx, pass_id, time.monotonic() + budget, state, edges)
     except Exception as exc:
