@@ -106,6 +106,15 @@ def _case_rpc_async(call: F.Call, x: list[Tensor], local: bool) -> list[Tensor]:
     return [f1.wait() * x[2], f2.wait()]
 
 
+def _case_modified_after_send(call: F.Call, x: list[Tensor], local: bool) -> list[Tensor]:
+    # The gradient of what was sent enters the graph where h was when it was sent, not
+    # after the in-place change (add saves nothing, so local autograd allows it too).
+    h = x[0] * 1.0
+    y = call("worker1", torch.add, (h, x[1]))
+    h.mul_(3.0)
+    return [y, h * x[2]]
+
+
 SHAPE = [(3, 3), (3, 3), (3, 3)]
 CASES: dict[str, tuple[Case, list[bool]]] = {
     "add": (_case_add, [True, True, True]),
@@ -121,6 +130,7 @@ CASES: dict[str, tuple[Case, list[bool]]] = {
     "no_rpc": (_case_no_rpc, [True, True, True]),
     "remote_rref": (_case_remote_rref, [True, True, True]),
     "rpc_async": (_case_rpc_async, [True, False, True]),
+    "modified_after_send": (_case_modified_after_send, [True, True, True]),
 }
 
 
