@@ -34,7 +34,7 @@ class _AllReduceSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx: FunctionCtx, x: Tensor, plan: _Plan, anchor: Tensor | None) -> Tensor:
         ctx.plan = plan  # type: ignore[attr-defined]
-        return _comm.all_reduce(x, "sum", plan.group)
+        return c.output(_comm.all_reduce(x, "sum", plan.group))
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None]:

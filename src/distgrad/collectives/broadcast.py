@@ -33,7 +33,7 @@ class _Broadcast(torch.autograd.Function):
     @staticmethod
     def forward(ctx: FunctionCtx, x: Tensor, plan: _Plan, anchor: Tensor | None) -> Tensor:
         ctx.plan = plan  # type: ignore[attr-defined]
-        return _comm.broadcast(x, plan.root, plan.group)
+        return c.output(_comm.broadcast(x, plan.root, plan.group))
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None]:
@@ -56,7 +56,7 @@ class _ReduceSum(torch.autograd.Function):
         ctx.plan = plan  # type: ignore[attr-defined]
         out = _comm.reduce(x, plan.root, plan.group)
         # Other ranks get a constant zero tensor: its gradient is zero and is never read.
-        return out if out is not None else torch.zeros_like(x)
+        return c.output(out) if out is not None else torch.zeros_like(x)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None]:

@@ -36,7 +36,7 @@ class _Permute(torch.autograd.Function):
     @staticmethod
     def forward(ctx: FunctionCtx, x: Tensor, plan: _Plan, anchor: Tensor | None) -> Tensor:
         ctx.plan = plan  # type: ignore[attr-defined]
-        return _comm.permute(x, plan.perm, plan.recv_shape, plan.group)
+        return c.output(_comm.permute(x, plan.perm, plan.recv_shape, plan.group))
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None]:

@@ -240,7 +240,8 @@ def _run_phase_as(
 
 
 def _drain(ctx: DistAutogradContext, active: _Pass) -> None:
-    """Wait for every message ``active`` shipped, running the gradients their answers carry.
+    """Wait for every message ``active`` shipped, running the gradients their answers carry
+    (FAST; SMART's answers carry none).
 
     Those runs may ship more messages, which join the list. Every message is waited for (each
     bounded by its RPC timeout) even after a failure; the first error is raised.
@@ -265,19 +266,6 @@ def _drain(ctx: DistAutogradContext, active: _Pass) -> None:
                 _run_phase_as(ctx, active, outputs, given, leaves, owned=True)
         except Exception as exc:
             first = _as_backward_error(exc, _agent.worker_name())
-    if first is not None:
-        raise first
-
-
-def _wait_all(outgoing: list[tuple[str, Any]]) -> None:
-    """Wait for every shipped message (each bounded by its RPC timeout); raise the first error."""
-    first: BaseException | None = None
-    for peer, fut in outgoing:
-        try:
-            fut.wait()
-        except Exception as exc:
-            if first is None:
-                first = _as_backward_error(exc, peer, delivering=True)
     if first is not None:
         raise first
 

@@ -37,7 +37,7 @@ from torch.distributed import rpc as torch_rpc
 from distgrad.errors import RpcAutogradError
 from distgrad.rpc import _agent
 from distgrad.rpc.context import DistAutogradContext, _Pass, counters, lookup
-from distgrad.rpc.fast import _HOP_MARGIN_S, _as_backward_error, _wait_all
+from distgrad.rpc.fast import _HOP_MARGIN_S, _as_backward_error, _drain
 from distgrad.rpc.send_recv import SendRecord, edge_of, is_recv_node
 
 __all__ = ["smart_backward"]
@@ -196,7 +196,7 @@ def _deliver(
             ctx.passes_in_flight -= 1
             raise
     try:
-        _wait_all(active.outgoing)
+        _drain(ctx, active)
     finally:
         with ctx.lock:
             ctx.passes_in_flight -= 1
