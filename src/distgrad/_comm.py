@@ -38,6 +38,7 @@ __all__ = [
     "reduce",
     "reduce_scatter",
     "scatter",
+    "share",
 ]
 
 _TORCH_OPS = {
@@ -63,6 +64,26 @@ def metadata_device(group: Group) -> torch.device:
 
 def _is_nccl(group: Group) -> bool:
     return "nccl" in group.backend
+
+
+# Every metadata message has the same width, so that a rank which skipped a call and sends the
+# wrong kind of metadata is still read (and then named in an error) rather than meeting a size
+# mismatch inside gloo, which aborts the process.
+_SHARE_WIDTH = 48
+
+
+def share(values: Sequence[int], group: Group) -> list[list[int]]:
+    """Every rank's ``values`` (small integers, the same count on every rank), by group rank."""
+    if group.pg is None or group.size == 1:
+        return [list(values)]
+    width = max(_SHARE_WIDTH, len(values))
+    padded = [*values, *[0] * (width - len(values))]
+    mine = torch.tensor([padded], dtype=torch.int64, device=metadata_device(group))
+    # Measured and not taken: point-to-point pairs on gloo (ProcessGroup.send/recv run on the
+    # calling thread) are faster alone, 0.20 ms against 0.30 ms on 2 ranks, but slower inside a
+    # training step (1.0-1.8 ms against 0.6-0.9 ms median, with more multi-millisecond stalls).
+    every = all_gather(mine, [1] * group.size, group)
+    return [row[: len(values)] for row in every.tolist()]
 
 
 def _pad_rows(x: Tensor, rows: int) -> Tensor:

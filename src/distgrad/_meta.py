@@ -197,20 +197,16 @@ def exchange(
         return [_decode(group.rank, _encode(op, x, args, False))]
     call = _next_call(group)
     site = _call_site() if _debug else ""
-    mine = torch.tensor(
-        _encode(
-            op,
-            None if problem else x,
-            args if not problem else (),
-            problem is not None,
-            call,
-            zlib.crc32(site.encode()),
-        ),
-        dtype=torch.int64,
-        device=_comm.metadata_device(group),
+    mine = _encode(
+        op,
+        None if problem else x,
+        args if not problem else (),
+        problem is not None,
+        call,
+        zlib.crc32(site.encode()),
     )
     try:
-        every = _comm.all_gather(mine.view(1, _WIDTH), [1] * group.size, group)
+        rows = _comm.share(mine, group)
     except RuntimeError as exc:
         # Typically a peer exited, crashed or never made this call: say where we were waiting.
         exc.args = (
@@ -220,7 +216,6 @@ def exchange(
         )
         raise
 
-    rows = every.view(group.size, _WIDTH).tolist()
     calls = [_decode(rank, row) for rank, row in enumerate(rows)]
     _check_same_call(desc, group, calls, rows)
     if _debug and any(c.site != calls[0].site for c in calls):

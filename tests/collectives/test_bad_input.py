@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 import distgrad as dg
 from distgrad.errors import CollectiveArgumentError, CollectiveMismatchError, RankFailedError
+from distgrad.losses._ring import ring_rows
 from distgrad.testing import run_on_ranks
 
 Case = Callable[[int, int], Any]
@@ -345,6 +346,26 @@ def test_a_rank_that_skips_a_collective_makes_its_peer_fail_with_where_it_waited
     assert "rank 0 was waiting for its peers at the start of all_reduce(op='sum')" in str(
         info.value
     )
+
+
+def _handshake_meets_a_loss_size_exchange(rank: int, world_size: int) -> str:
+    # Two different kinds of metadata message meet: rank 0's handshake and rank 1's row-count
+    # exchange of a ring loss. They have the same width, so gloo never sees two sizes (which
+    # aborts the process); each rank reads the other's message and raises.
+    with pytest.raises(CollectiveMismatchError) as info:
+        if rank == 0:
+            dg.all_reduce(torch.ones(2))
+        else:
+            ring_rows("nt_xent", torch.ones(4, 3), None)
+    return str(info.value)
+
+
+def test_metadata_messages_of_different_kinds_meet_without_aborting() -> None:
+    start = time.monotonic()
+    messages = run_on_ranks(_handshake_meets_a_loss_size_exchange, 2, timeout=30)
+    assert time.monotonic() - start < 10
+    assert "some ranks are not inside a distgrad collective" in messages[0]
+    assert "nt_xent on rank 1: ranks disagree on the embedding dim" in messages[1]
 
 
 def _sub_group_member_check(rank: int, world_size: int) -> str:

@@ -116,8 +116,7 @@ def _exchange_sizes(
         return sent
     n = group.size
     mine = list(sent) + (list(expected) if expected is not None else [-1] * n)
-    local = torch.tensor(mine, dtype=torch.int64, device=_comm.metadata_device(group))
-    table = _comm.all_gather(local.view(1, 2 * n), [1] * n, group).tolist()
+    table = _comm.share(mine, group)
     # table[s][:n] = what rank s sends to each rank; table[r][n:] = what rank r expects.
     for r in range(n):
         for s in range(n):

@@ -69,9 +69,7 @@ def ring_rows(desc: str, keys: Tensor, group: ProcessGroup | None) -> tuple[int,
     reaches the same verdict and raises the same error: no rank is left waiting in the ring.
     """
     g = resolve(group)
-    mine = torch.tensor([[keys.shape[0], keys.shape[1]]], dtype=torch.int64)
-    mine = mine.to(_comm.metadata_device(g))
-    every = _comm.all_gather(mine, [1] * g.size, g).tolist()
+    every = _comm.share([keys.shape[0], keys.shape[1]], g)
     dims = [row[1] for row in every]
     if len(set(dims)) > 1:
         shown = ", ".join(f"rank {r}: {d}" for r, d in enumerate(dims))
