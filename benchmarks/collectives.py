@@ -4,10 +4,12 @@ Every variant runs in the same two gloo processes, interleaved round-robin, so t
 the machine's noise; each timing is the slower rank's, between two barriers. Variants:
 
 * floor: the raw, non-differentiable communication that forward+backward needs, done the
-  cheapest way (all_gather + all_to_all-based reduce-scatter; all_reduce + all_reduce;
-  all_to_all-based reduce-scatter + all_gather). Ratios are against this.
-* floor (torch RS): the same with torch's ``reduce_scatter_single`` for the reduce-scatter part
-  (on gloo an all_reduce and a slice).
+  cheapest way we know: on gloo, all_gather and reduce-scatter as concurrent point-to-point
+  pairs (distgrad's own raw functions, the reduce-scatter summing locally), all_reduce as
+  torch's. Ratios are against this.
+* floor (torch ops): the same communication with torch's raw collectives only
+  (``all_gather_single``, ``reduce_scatter_single``; on gloo the latter is an all_reduce and a
+  slice, twice the bytes).
 * torch.distributed.nn: the deprecated differentiable collectives.
 * funcol: ``torch.distributed._functional_collectives`` autograd variants.
 * all_reduce+slice: a hand-written all_gather whose backward all_reduces the whole gradient and
@@ -79,6 +81,11 @@ def _ideal_reduce_scatter(x: torch.Tensor) -> torch.Tensor:
     return _comm.reduce_scatter(x, [rows] * group.size, group)
 
 
+def _ideal_all_gather(x: torch.Tensor) -> torch.Tensor:
+    group = resolve(None)
+    return _comm.all_gather(x, [x.shape[0]] * group.size, group)
+
+
 def _torch_reduce_scatter(x: torch.Tensor) -> torch.Tensor:
     out = x.new_empty((x.shape[0] // dist.get_world_size(), *x.shape[1:]))
     dist.reduce_scatter_tensor(out, x.contiguous())
@@ -127,8 +134,8 @@ def _variants(op: str) -> dict[str, Step]:
 
     if op == "all_gather":
         return {
-            "floor": raw(_raw_all_gather, _ideal_reduce_scatter),
-            "floor (torch RS)": raw(_raw_all_gather, _torch_reduce_scatter),
+            "floor": raw(_ideal_all_gather, _ideal_reduce_scatter),
+            "floor (torch ops)": raw(_raw_all_gather, _torch_reduce_scatter),
             "torch.distributed.nn": autograd(lambda x: torch.cat(dist_nn.all_gather(x))),  # type: ignore[no-untyped-call]
             "funcol": autograd(lambda x: funcol.all_gather_tensor_autograd(x, 0, world)),
             "all_reduce+slice": autograd(_AllReduceThenSlice.apply),
@@ -148,8 +155,8 @@ def _variants(op: str) -> dict[str, Step]:
             ),
         }
     return {
-        "floor": raw(_ideal_reduce_scatter, _raw_all_gather),
-        "floor (torch RS)": raw(_torch_reduce_scatter, _raw_all_gather),
+        "floor": raw(_ideal_reduce_scatter, _ideal_all_gather),
+        "floor (torch ops)": raw(_torch_reduce_scatter, _raw_all_gather),
         "torch.distributed.nn": autograd(_nn_reduce_scatter),
         "funcol": autograd(lambda x: funcol.reduce_scatter_tensor_autograd(x, "sum", 0, world)),
         "distgrad": autograd(dg.reduce_scatter),
@@ -229,7 +236,7 @@ def _bench(rank: int, world_size: int, quick: bool) -> dict[str, Any]:
 def _table(results: dict[str, Any]) -> list[str]:
     names = [
         "floor",
-        "floor (torch RS)",
+        "floor (torch ops)",
         "distgrad",
         "distgrad w/o handshake",
         "torch.distributed.nn",
