@@ -304,7 +304,7 @@ def main() -> None:
         "",
         "## The metadata handshake",
         "",
-        "Every distgrad forward call first all_gathers a 32-int64 description of each rank's "
+        "Every distgrad forward call first all_gathers a 48-int64 description of each rank's "
         "call (see docs/semantics.md). Its median cost, alone, next to a whole distgrad "
         "all_reduce forward+backward:",
         "",
