@@ -42,8 +42,8 @@ class _Pass:
     pass_id: int
     deadline: float = 0.0  # time.monotonic() by which this worker's part must be done
     outgoing: list[tuple[str, Any]] = field(default_factory=list)  # (worker, future)
-    # FAST: the worker whose gradient message this phase answers (None at the root). Gradients
-    # for that worker ride back in the answer instead of travelling as a message of their own.
+    # The worker whose gradient message this phase answers (None at the root). Gradients for
+    # that worker ride back in the answer instead of travelling as a message of their own.
     reply_to: str | None = None
     replies: list[tuple[int, list[Tensor | None]]] = field(default_factory=list)
 

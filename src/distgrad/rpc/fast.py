@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -136,11 +136,11 @@ def ship_gradients(context_id: int, message_id: int, grads: list[Tensor | None])
         ),
         timeout=budget,
     )
-    active.outgoing.append((record.from_worker, call.then(_with_owned_gradients)))
+    active.outgoing.append((record.from_worker, call.then(with_owned_gradients)))
     counters["gradient_messages_sent"] += 1
 
 
-def _with_owned_gradients(answer: Any) -> list[Reply]:
+def with_owned_gradients(answer: Any) -> list[Reply]:
     """An answer's gradients, each copied to memory of its own if it shares or skips any.
 
     Runs on the RPC thread that completes the answer, so that the copies the context would
@@ -269,9 +269,20 @@ def _run_phase_as(
             ctx.active_pass = previous
 
 
-def _drain(ctx: DistAutogradContext, active: _Pass) -> None:
-    """Wait for every message ``active`` shipped, running the gradients their answers carry
-    (FAST; SMART's answers carry none).
+ReplyHandler = Callable[[DistAutogradContext, _Pass, int, list[Tensor | None]], None]
+
+
+def _run_reply(
+    ctx: DistAutogradContext, active: _Pass, message_id: int, grads: list[Tensor | None]
+) -> None:
+    """FAST: the gradients for ``sends[message_id]`` came back in an answer; run them here."""
+    outputs, given, leaves = _message_inputs(ctx, message_id, grads)
+    _run_phase_as(ctx, active, outputs, given, leaves, owned=True)
+
+
+def _drain(ctx: DistAutogradContext, active: _Pass, take_reply: ReplyHandler = _run_reply) -> None:
+    """Wait for every message ``active`` shipped, handing the gradients their answers carry
+    to ``take_reply`` (FAST runs them; SMART adds them to its pass).
 
     Those runs may ship more messages, which join the list. Every message is waited for (each
     bounded by its RPC timeout) even after a failure; the first error is raised.
@@ -292,8 +303,7 @@ def _drain(ctx: DistAutogradContext, active: _Pass) -> None:
         try:
             for message_id, grads in replies:
                 counters["gradient_replies_received"] += 1
-                outputs, given, leaves = _message_inputs(ctx, message_id, grads)
-                _run_phase_as(ctx, active, outputs, given, leaves, owned=True)
+                take_reply(ctx, active, message_id, grads)
         except Exception as exc:
             first = _as_backward_error(exc, _agent.worker_name())
     if first is not None:

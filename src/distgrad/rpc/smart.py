@@ -11,15 +11,17 @@ Two steps per backward pass:
    reach: the gradient flowing into such a node is kept, per graph edge, until every pending
    send above it has delivered. Then the node runs once with the summed gradient. Recv nodes
    are not run: the gradient flowing into them is captured and shipped, one message per recv
-   in the lineage, so the receiving worker's count of pending sends is exact.
+   in the lineage, so the receiving worker's count of pending sends is exact. As in FAST mode,
+   a message bound for the worker whose message is being answered rides back in the answer
+   instead, and that worker adds it to its pass when the answer arrives.
 
 Why it terminates: a node waits only for sends recorded after it in the forward pass, and a
 send's gradient depends only on computation recorded after that send; causality orders the
 waits, so no cycle of waits exists. Workers outside the lineage receive no message at all.
 
 Cost: ``depth`` rounds of lineage queries (one RPC per worker per round) before any gradient
-moves, plus one gradient message per recv in the lineage (as FAST), and graph walks whose cost
-is linear in the size of the local graphs.
+moves, plus one gradient message per recv in the lineage except those that ride back in
+answers (as FAST), and graph walks whose cost is linear in the size of the local graphs.
 """
 
 from __future__ import annotations
@@ -37,7 +39,13 @@ from torch.distributed import rpc as torch_rpc
 from distgrad.errors import RpcAutogradError
 from distgrad.rpc import _agent
 from distgrad.rpc.context import DistAutogradContext, _Pass, counters, lookup
-from distgrad.rpc.fast import _HOP_MARGIN_S, _as_backward_error, _drain
+from distgrad.rpc.fast import (
+    _HOP_MARGIN_S,
+    Reply,
+    _as_backward_error,
+    _drain,
+    with_owned_gradients,
+)
 from distgrad.rpc.send_recv import SendRecord, edge_of, is_recv_node
 
 __all__ = ["smart_backward"]
@@ -179,27 +187,68 @@ def _deliver(
     deadline: float,
     state: _SmartPass,
     edges: list[tuple[GradientEdge, Tensor]],
-) -> None:
-    """Add gradients at ``edges``, run what is ready, then wait for what that shipped."""
-    active = _Pass(pass_id, deadline=deadline)
+    reply_to: str | None = None,
+) -> list[Reply]:
+    """Add gradients at ``edges``, run what is ready, then wait for what that shipped.
+
+    Gradients bound for ``reply_to`` (the worker whose message this answers) are returned, to
+    ride back in the answer, as in FAST mode.
+    """
+    active = _Pass(pass_id, deadline=deadline, reply_to=reply_to)
     with ctx.lock:
         ctx.passes_in_flight += 1
         try:
             for edge, grad in edges:
                 _buffer(state, edge, grad)
-            _progress(ctx, state, active)
-            if not state.pending:
-                assert not state.buffer, "SMART: gradients left over with nothing pending"
-                ctx.smart_passes.pop(pass_id, None)
+            _progress_and_finish(ctx, state, active)
         except BaseException:
             ctx.smart_passes.pop(pass_id, None)
             ctx.passes_in_flight -= 1
             raise
     try:
-        _drain(ctx, active)
+        _drain(ctx, active, _take_reply)
     finally:
         with ctx.lock:
             ctx.passes_in_flight -= 1
+    return active.replies
+
+
+def _progress_and_finish(ctx: DistAutogradContext, state: _SmartPass, active: _Pass) -> None:
+    """Run what is ready; drop the pass's state here once no send of it is pending."""
+    _progress(ctx, state, active)
+    if not state.pending:
+        assert not state.buffer, "SMART: gradients left over with nothing pending"
+        ctx.smart_passes.pop(active.pass_id, None)
+
+
+def _accept(
+    ctx: DistAutogradContext,
+    state: _SmartPass,
+    pass_id: int,
+    message_id: int,
+    grads: list[Tensor | None],
+) -> list[tuple[GradientEdge, Tensor]]:
+    """Mark ``sends[message_id]`` delivered; the edges where its gradients enter. Holds the lock."""
+    if message_id not in state.pending:
+        raise RpcAutogradError(
+            f"send {message_id} is not pending in pass {pass_id} (delivered twice?)"
+        )
+    state.pending.discard(message_id)
+    record = ctx.sends[message_id]
+    return [(edge_of(t), g) for t, g in zip(record.targets, grads, strict=True) if g is not None]
+
+
+def _take_reply(
+    ctx: DistAutogradContext, active: _Pass, message_id: int, grads: list[Tensor | None]
+) -> None:
+    """The gradients for ``sends[message_id]`` came back in an answer: add them to the pass."""
+    with ctx.lock:
+        state = ctx.smart_passes.get(active.pass_id)
+        if state is None:
+            raise RpcAutogradError(f"backward pass {active.pass_id} is not running here")
+        for edge, grad in _accept(ctx, state, active.pass_id, message_id, grads):
+            _buffer(state, edge, grad)
+        _progress_and_finish(ctx, state, active)
 
 
 def _buffer(state: _SmartPass, edge: GradientEdge, grad: Tensor) -> None:
@@ -298,6 +347,12 @@ def _ship(
     assert recv_id not in state.shipped, f"SMART: recv {recv_id} shipped twice in one pass"
     state.shipped.add(recv_id)
     record = ctx.recvs[recv_id]
+    counters["gradient_tensors_sent"] += sum(g is not None for g in grads)
+    if record.from_worker == active.reply_to:
+        # That worker is waiting for this answer: the gradients go back inside it.
+        active.replies.append((recv_id, grads))
+        counters["gradient_replies_sent"] += 1
+        return
     budget = max(active.deadline - time.monotonic() - _HOP_MARGIN_S, 0.1)
     fut = torch_rpc.rpc_async(
         record.from_worker,
@@ -310,12 +365,12 @@ def _ship(
             budget,
             state.lineage,
             state.retain_graph,
+            _agent.worker_name(),
         ),
         timeout=budget,
     )
-    active.outgoing.append((record.from_worker, fut))
+    active.outgoing.append((record.from_worker, fut.then(with_owned_gradients)))
     counters["gradient_messages_sent"] += 1
-    counters["gradient_tensors_sent"] += sum(g is not None for g in grads)
 
 
 def _receive_smart(
@@ -326,8 +381,12 @@ def _receive_smart(
     budget: float,
     lineage: Lineage,
     retain_graph: bool,
-) -> None:
-    """RPC handler: the gradient for one of this worker's sends in a SMART pass."""
+    sender: str,
+) -> list[Reply]:
+    """RPC handler: the gradient for one of this worker's sends in a SMART pass.
+
+    Returns the gradients this worker's part produced for ``sender``'s own sends.
+    """
     me = _agent.worker_name()
     counters["gradient_messages_received"] += 1
     try:
@@ -340,16 +399,8 @@ def _receive_smart(
                 state = ctx.smart_passes[pass_id] = _SmartPass(
                     set(lineage.get(me, frozenset())), retain_graph, lineage
                 )
-            if message_id not in state.pending:
-                raise RpcAutogradError(
-                    f"send {message_id} is not pending in pass {pass_id} (delivered twice?)"
-                )
-            state.pending.discard(message_id)
-            record = ctx.sends[message_id]
-        edges = [
-            (edge_of(t), g) for t, g in zip(record.targets, grads, strict=True) if g is not None
-        ]
-        _deliver(ctx, pass_id, time.monotonic() + budget, state, edges)
+            edges = _accept(ctx, state, pass_id, message_id, grads)
+        return _deliver(ctx, pass_id, time.monotonic() + budget, state, edges, reply_to=sender)
     except Exception as exc:
         raise _as_backward_error(exc, me) from None
 
