@@ -67,9 +67,10 @@ def _is_nccl(group: Group) -> bool:
     return "nccl" in group.backend
 
 
-# Every metadata message has the same width, so that a rank which skipped a call and sends the
-# wrong kind of metadata is still read (and then named in an error) rather than meeting a size
-# mismatch inside gloo, which aborts the process.
+# Every metadata message on a group has the same width (at least this, and room for all_to_all's
+# 2 sizes per rank), so that a rank which skipped a call and sends the wrong kind of metadata is
+# still read (and then named in an error) rather than meeting a size mismatch inside gloo,
+# which aborts the process.
 _SHARE_WIDTH = 48
 
 
@@ -77,7 +78,8 @@ def share(values: Sequence[int], group: Group) -> list[list[int]]:
     """Every rank's ``values`` (small integers, the same count on every rank), by group rank."""
     if group.pg is None or group.size == 1:
         return [list(values)]
-    width = max(_SHARE_WIDTH, len(values))
+    width = max(_SHARE_WIDTH, 2 * group.size)
+    assert len(values) <= width, f"metadata of {len(values)} values does not fit in {width}"
     padded = [*values, *[0] * (width - len(values))]
     mine = torch.tensor([padded], dtype=torch.int64, device=metadata_device(group))
     # A collective, not point-to-point pairs: pairs are faster alone (0.20 ms against 0.30 ms
