@@ -10,6 +10,9 @@ Workloads:
 * add, 2 workers: ``rpc_sync`` of ``torch.add`` on two tensors requiring grad (3x3, 1000x1000),
   loss ``sum``; issue 5's targets: within 1.5x of torch's C++ engine at 3x3, 1.1x at 1000x1000.
 * chain, 4 workers: worker0 -> worker1 -> worker2 -> worker3, each hop one op, 3x3.
+* add, torch with a Python function: torch's engine on the same round trip, with the remote
+  call a Python function instead of the builtin ``torch.add`` (every distgrad call is a Python
+  function on the callee): the share of the gap that is the Python call itself.
 * fan-out, 4 workers: worker0 calls each of the 3 others twice and uses only one result of
   each pair (half the RPC outputs unused), 3x3. torch's FAST engine waits forever for the
   unused sends' gradients, so it is not run there.
@@ -67,10 +70,14 @@ def _total_messages(world_size: int) -> int:
     return sum(torch_rpc.rpc_sync(f"worker{w}", _messages) for w in range(world_size))
 
 
-def _step_torch(workload: str, a: torch.Tensor, b: torch.Tensor) -> None:
+def _python_add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.add(a, b)
+
+
+def _step_torch(workload: str, a: torch.Tensor, b: torch.Tensor, add: Any = torch.add) -> None:
     with torch_autograd.context() as cid:
         if workload == "add":
-            loss = torch_rpc.rpc_sync("worker1", torch.add, args=(a, b)).sum()
+            loss = torch_rpc.rpc_sync("worker1", add, args=(a, b)).sum()
         elif workload == "chain":
             loss = _torch_chain(a, ["worker1", "worker2", "worker3"]).sum()
         else:
@@ -110,6 +117,12 @@ def _bench(rank: int, world_size: int, cases: list[tuple[str, int, int]]) -> lis
         if workload != "fanout":
             variants["torch.distributed.autograd"] = lambda w=workload, a=a, b=b: _step_torch(
                 w, a, b
+            )
+        if workload == "add":
+            # torch's C++ engine, but the remote call is a Python function (as every distgrad
+            # call is) instead of the builtin torch.add: what the Python call alone costs.
+            variants["torch.distributed.autograd, Python function"] = lambda w=workload, a=a, b=b: (
+                _step_torch(w, a, b, _python_add)
             )
         times: dict[str, list[float]] = {name: [] for name in variants}
         for fn in variants.values():  # warm up
