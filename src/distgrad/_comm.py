@@ -21,6 +21,7 @@ Backend gaps handled here, once:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,6 +36,7 @@ __all__ = [
     "broadcast",
     "gather",
     "metadata_device",
+    "p2p_op",
     "permute",
     "reduce",
     "reduce_scatter",
@@ -65,6 +67,12 @@ def metadata_device(group: Group) -> torch.device:
 
 def _is_nccl(group: Group) -> bool:
     return "nccl" in group.backend
+
+
+# The tag of every point-to-point message distgrad sends (p2p_op): gloo pairs messages between
+# two ranks by tag, in order, so an untagged message the user has in flight between the same
+# ranks would otherwise be taken by distgrad's receive, or take distgrad's message. ("dg")
+P2P_TAG = 0x6467
 
 
 # Every metadata message on a group has the same width (at least this, and room for all_to_all's
@@ -184,12 +192,17 @@ def _exchange_by_pairs(sent: Sequence[Tensor], received: Sequence[Tensor], group
         # A pair with nothing to move is skipped on both sides: the receiver's size for it
         # equals the sender's (the handshake checked it).
         if sent[peer].numel():
-            ops.append(dist.P2POp(dist.isend, sent[peer], group.global_rank(peer), group.pg))
+            ops.append(p2p_op(dist.isend, sent[peer], peer, group))
         if received[peer].numel():
-            ops.append(dist.P2POp(dist.irecv, received[peer], group.global_rank(peer), group.pg))
+            ops.append(p2p_op(dist.irecv, received[peer], peer, group))
     if ops:
         for work in dist.batch_isend_irecv(ops):
             work.wait()
+
+
+def p2p_op(op: Any, tensor: Tensor, peer: int, group: Group) -> dist.P2POp:
+    """One tagged point-to-point operation with group rank ``peer``."""
+    return dist.P2POp(op, tensor, group.global_rank(peer), group.pg, tag=P2P_TAG)
 
 
 def all_reduce(x: Tensor, op: str, group: Group) -> Tensor:
@@ -266,8 +279,8 @@ def permute(x: Tensor, perm: Sequence[int], recv_shape: Sequence[int], group: Gr
     source = list(perm).index(group.rank)
     out = x.new_empty(tuple(recv_shape))
     ops = [
-        dist.P2POp(dist.isend, x.contiguous(), group.global_rank(perm[group.rank]), group.pg),
-        dist.P2POp(dist.irecv, out, group.global_rank(source), group.pg),
+        p2p_op(dist.isend, x.contiguous(), perm[group.rank], group),
+        p2p_op(dist.irecv, out, source, group),
     ]
     for work in dist.batch_isend_irecv(ops):
         work.wait()

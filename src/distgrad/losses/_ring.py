@@ -84,8 +84,8 @@ def _shift(x: Tensor, g: Group) -> tuple[Tensor, list[Any]]:
     """Start sending ``x`` to the next rank of the ring; return the receive buffer and works."""
     out = torch.empty_like(x)
     ops = [
-        dist.P2POp(dist.isend, x, g.global_rank((g.rank + 1) % g.size), g.pg),
-        dist.P2POp(dist.irecv, out, g.global_rank((g.rank - 1) % g.size), g.pg),
+        _comm.p2p_op(dist.isend, x, (g.rank + 1) % g.size, g),
+        _comm.p2p_op(dist.irecv, out, (g.rank - 1) % g.size, g),
     ]
     return out, dist.batch_isend_irecv(ops)
 
