@@ -233,8 +233,8 @@ def _bench(rank: int, world_size: int, quick: bool) -> dict[str, Any]:
     return results
 
 
-def _table(results: dict[str, Any]) -> list[str]:
-    names = [
+def _table_names() -> list[str]:
+    return [
         "floor",
         "floor (torch ops)",
         "distgrad",
@@ -243,6 +243,10 @@ def _table(results: dict[str, Any]) -> list[str]:
         "funcol",
         "all_reduce+slice",
     ]
+
+
+def _table(results: dict[str, Any]) -> list[str]:
+    names = _table_names()
     lines = [
         "| op, shape per rank | " + " | ".join(names) + " |",
         "|---" * (len(names) + 1) + "|",
@@ -273,47 +277,83 @@ def _handshake_lines(results: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _summary(runs: list[dict[str, Any]]) -> list[str]:
+    """Each cell: the median over runs of the paired ratio, and its range over the runs."""
+    names = [n for n in _table_names() if n != "floor"]
+    lines = [
+        "| op, shape per rank | " + " | ".join(names) + " |",
+        "|---" * (len(names) + 1) + "|",
+    ]
+    for op in OPS:
+        for shape in SHAPES:
+            cells = []
+            for name in names:
+                ratios = [r[f"{op} {shape}"][name][1] for r in runs if name in r[f"{op} {shape}"]]
+                if not ratios:
+                    cells.append("")
+                    continue
+                span = f" ({min(ratios):.2f}-{max(ratios):.2f})" if len(ratios) > 1 else ""
+                cells.append(f"{statistics.median(ratios):.2f}x{span}")
+            lines.append(f"| {op} {shape} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="3 iterations: a smoke test")
+    parser.add_argument("--runs", type=int, default=3, help="independent runs (fresh processes)")
     args = parser.parse_args()
-    load_before = os.getloadavg()[0]
+    runs = 1 if args.quick else args.runs
+    sections: list[str] = []
+    every: list[dict[str, Any]] = []
     started = time.perf_counter()
-    results = run_on_ranks(_bench, 2, args=(args.quick,), timeout=1800, collective_timeout=600)[0]
+    for run in range(runs):
+        load_before = os.getloadavg()[0]
+        results = run_on_ranks(_bench, 2, args=(args.quick,), timeout=1800, collective_timeout=600)[
+            0
+        ]
+        every.append(results)
+        sections += [
+            f"## Run {run + 1} (1-minute load average {load_before:.1f} before it, "
+            f"{os.getloadavg()[0]:.1f} after)",
+            "",
+            *_table(results),
+            "",
+            "The metadata handshake alone, next to a whole distgrad all_reduce forward+backward:",
+            "",
+            *_handshake_lines(results),
+            "",
+        ]
+        print("\n".join(sections[-12:]), flush=True)
     took = time.perf_counter() - started
-    load_after = os.getloadavg()[0]
     body = [
         "# Collectives: forward+backward time (2 ranks, gloo, CPU, float32)",
         "",
         f"Measured {datetime.date.today()} on {platform.machine()} with {os.cpu_count()} cores, "
         f"torch {torch.__version__}, by `python benchmarks/collectives.py` "
-        f"({'quick' if args.quick else 'full'} run, {took:.0f} s). Medians of the slower rank's "
-        "time per iteration; every variant ran interleaved with the others in the same two "
-        "processes, in a shuffled order each round, each timed until its results are "
-        "readable. Each cell is the median time and, in brackets, the median over rounds of "
-        "the variant's time over the floor's time in the same round. Rounds: "
+        f"({'quick' if args.quick else 'full'}, {runs} independent run(s) in fresh processes, "
+        f"{took:.0f} s). In each run every variant ran interleaved with the others in the same "
+        "two processes, in a shuffled order each round, each timed until its results are "
+        "readable (the slower rank's time). A run's cell is the median time and, in brackets, "
+        "the median over rounds of the variant's time over the floor's time in the same round. "
+        "Rounds per run: "
         + ", ".join(f"{n} at {s}" for s, n in zip(SHAPES, ITERATIONS.values(), strict=True))
-        + ".",
+        + ". Every distgrad forward call first all_gathers a 48-int64 description of each "
+        "rank's call (see docs/semantics.md); 'distgrad w/o handshake' enters the same autograd "
+        "Functions past it.",
         "",
-        f"Noise: the 1-minute load average was {load_before:.1f} before and {load_after:.1f} "
-        f"after the run on {os.cpu_count()} cores (the two ranks alone keep it near 2; with "
-        "their gloo threads they contend for the cores). Single ratios move by a few percent "
-        "between runs; compare columns within a row.",
+        "## Summary: ratio to the floor, median over the runs (range over the runs)",
         "",
-        *_table(results),
+        "On 2 cores the two ranks and their gloo threads contend for the cores, and a single "
+        "run's ratio moves by up to 0.1x from one run to the next; this table is the one to read.",
         "",
-        "## The metadata handshake",
+        *_summary(every),
         "",
-        "Every distgrad forward call first all_gathers a 48-int64 description of each rank's "
-        "call (see docs/semantics.md). Its median cost, alone, next to a whole distgrad "
-        "all_reduce forward+backward:",
-        "",
-        *_handshake_lines(results),
-        "",
+        *sections,
     ]
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text("\n".join(body))
-    print("\n".join(body))
+    print("\n".join(body[: 12 + len(OPS) * len(SHAPES)]))
 
 
 if __name__ == "__main__":
