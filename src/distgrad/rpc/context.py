@@ -84,13 +84,13 @@ class DistAutogradContext:
         key = id(tensor)
         held = self._grads.get(key)
         if held is not None:
-            self._storages.discard(_storage_of(held[1]))
+            self._storages.discard(storage_of(held[1]))
             stored = held[1] + grad
-        elif _owns_its_memory(tensor, grad) and _storage_of(grad) not in self._storages:
+        elif _owns_its_memory(tensor, grad) and storage_of(grad) not in self._storages:
             stored = grad
         else:
             stored = torch.empty_like(tensor).copy_(grad)  # empty_like keeps tensor's layout
-        self._storages.add(_storage_of(stored))
+        self._storages.add(storage_of(stored))
         self._grads[key] = (tensor, stored)
 
     def gradients(self) -> dict[Tensor, Tensor]:
@@ -103,14 +103,20 @@ class DistAutogradContext:
             return None if held is None else held[1]
 
 
-def _storage_of(t: Tensor) -> int:
+def storage_of(t: Tensor) -> int:
+    """Where ``t``'s memory starts: equal for tensors that share a storage."""
     return int(t.untyped_storage().data_ptr())
+
+
+def fills_its_storage(t: Tensor) -> bool:
+    """Whether ``t`` uses every byte of its storage (not an expanded view or a slice)."""
+    return t.untyped_storage().nbytes() == t.numel() * t.element_size()
 
 
 def _owns_its_memory(tensor: Tensor, grad: Tensor) -> bool:
     """Whether ``grad`` fills its whole storage and is laid out like ``tensor`` (see
     ``AccumulateGrad``'s layout contract: dense tensors' gradients take their strides)."""
-    if grad.untyped_storage().nbytes() != grad.numel() * grad.element_size():
+    if not fills_its_storage(grad):
         return False
     if _is_dense(tensor):
         return grad.stride() == tensor.stride()

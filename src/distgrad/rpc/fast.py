@@ -38,8 +38,15 @@ from torch.distributed import rpc as torch_rpc
 
 from distgrad.errors import RpcAutogradError
 from distgrad.rpc import _agent
-from distgrad.rpc.context import DistAutogradContext, _Pass, counters, lookup
-from distgrad.rpc.send_recv import SendRecord, Target, edge_of
+from distgrad.rpc.context import (
+    DistAutogradContext,
+    _Pass,
+    counters,
+    fills_its_storage,
+    lookup,
+    storage_of,
+)
+from distgrad.rpc.send_recv import RecvRecord, SendRecord, Target, edge_of
 
 __all__ = ["backward", "ship_gradients"]
 
@@ -116,11 +123,7 @@ def ship_gradients(context_id: int, message_id: int, grads: list[Tensor | None])
     record = ctx.recvs[message_id]
     active = ctx.active_pass
     assert active is not None, "a recv node ran outside a distributed backward phase"
-    counters["gradient_tensors_sent"] += sum(g is not None for g in grads)
-    if record.from_worker == active.reply_to:
-        # That worker is waiting for this phase's answer: the gradients go back inside it.
-        active.replies.append((record.message_id, grads))
-        counters["gradient_replies_sent"] += 1
+    if ride_back(active, record, grads):
         return
     budget = max(active.deadline - time.monotonic() - _HOP_MARGIN_S, 0.1)
     call = torch_rpc.rpc_async(
@@ -140,6 +143,17 @@ def ship_gradients(context_id: int, message_id: int, grads: list[Tensor | None])
     counters["gradient_messages_sent"] += 1
 
 
+def ride_back(active: _Pass, record: RecvRecord, grads: list[Tensor | None]) -> bool:
+    """Count the gradients a recv ships; if their sender is the worker this phase answers,
+    put them in the answer and return True (both modes). Otherwise the caller sends them."""
+    counters["gradient_tensors_sent"] += sum(g is not None for g in grads)
+    if record.from_worker != active.reply_to:
+        return False
+    active.replies.append((record.message_id, grads))
+    counters["gradient_replies_sent"] += 1
+    return True
+
+
 def with_owned_gradients(answer: Any) -> list[Reply]:
     """An answer's gradients, each copied to memory of its own if it shares or skips any.
 
@@ -157,14 +171,10 @@ def with_owned_gradients(answer: Any) -> list[Reply]:
         mine: list[Tensor | None] = []
         for grad in grads:
             if grad is not None:
-                storage = grad.untyped_storage()
-                if (
-                    storage.data_ptr() in seen
-                    or storage.nbytes() != grad.numel() * grad.element_size()
-                ):
+                if storage_of(grad) in seen or not fills_its_storage(grad):
                     # An add's backward sends one expanded tensor for both inputs, say.
                     grad = grad.clone(memory_format=torch.contiguous_format)
-                seen.add(grad.untyped_storage().data_ptr())
+                seen.add(storage_of(grad))
             mine.append(grad)
         owned.append((message_id, mine))
     return owned

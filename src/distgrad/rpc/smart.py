@@ -44,6 +44,7 @@ from distgrad.rpc.fast import (
     Reply,
     _as_backward_error,
     _drain,
+    ride_back,
     with_owned_gradients,
 )
 from distgrad.rpc.send_recv import SendRecord, edge_of, is_recv_node
@@ -347,11 +348,7 @@ def _ship(
     assert recv_id not in state.shipped, f"SMART: recv {recv_id} shipped twice in one pass"
     state.shipped.add(recv_id)
     record = ctx.recvs[recv_id]
-    counters["gradient_tensors_sent"] += sum(g is not None for g in grads)
-    if record.from_worker == active.reply_to:
-        # That worker is waiting for this answer: the gradients go back inside it.
-        active.replies.append((recv_id, grads))
-        counters["gradient_replies_sent"] += 1
+    if ride_back(active, record, grads):
         return
     budget = max(active.deadline - time.monotonic() - _HOP_MARGIN_S, 0.1)
     fut = torch_rpc.rpc_async(
