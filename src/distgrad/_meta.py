@@ -1,23 +1,24 @@
-"""The metadata handshake that runs before every collective's data moves.
+"""The metadata handshake: how the ranks of a group learn what call each of them is making.
 
-Each rank describes its call in one small int64 vector (which op, whether debug mode is on,
-dtype, device type, requires_grad, shape, the op's integer arguments, whether its own
-arguments are invalid, and in debug mode where in the caller's code the call was made); one
-``all_gather`` of these vectors lets every rank check every other rank's call. Bad input then
-becomes the same Python error on every rank instead of a hang, a process abort inside gloo, or a
-silently wrong result, and the ops learn the per-rank sizes they need (uneven all_gather,
-gather, all_to_all) from the same exchange.
+Each rank describes its call in one int64 vector (which op, debug mode, dtype, device type,
+requires_grad, grad mode, shape, the op's integer arguments and up to two integer lists such as
+``sizes``, whether its own arguments are invalid, and in debug mode a checksum of the Python
+stack that made the call); one ``all_gather`` of these vectors lets every rank check every other
+rank's call. Bad input then becomes the same Python error on every rank instead of a hang, a
+process abort inside gloo, or a silently wrong result, and ops whose sizes are not known locally
+(an uneven ``all_gather`` without ``sizes=``) learn them from the same exchange.
 
-A rank that skips a call is caught at its next call that differs from its peers' (another op,
-shape, dtype or argument), or, when every later call looks alike, by the peers' timeout at the
-last call, which names the call they were waiting in. Debug mode also compares the call sites,
-which catches the skip at once.
+*When* a call exchanges metadata is decided by ``distgrad.collectives._signature``: the first
+calls on each group, every call in debug mode, and calls whose sizes are unknown. This module
+only knows how.
 
-Cost: one all_gather of 48 int64 per rank, per forward call: latency-bound, 0.3-0.4 ms alone on
-2 gloo ranks over loopback and 0.6-0.9 ms as the first exchange of a training step (see
-``docs/semantics.md`` and ``benchmarks/results/collectives.md``). Debug mode
-(:func:`distgrad.set_debug`) adds a second handshake in every backward that checks all ranks run
-their backward collectives in the same order.
+Every metadata message on a group has the same width, so that when a rank skipped a call and
+its peers' handshake meets a different kind of metadata message, each rank still reads the
+other's and raises, where two sizes would make gloo abort the process.
+
+Cost: one all_gather of ``35 + 2 (max(N, 12) + 1)`` int64 per rank (61 at N <= 12) and a copy of
+the result to the host: latency-bound, 0.3-0.4 ms alone on 2 gloo ranks over loopback and
+0.6-0.9 ms as the first exchange of a training step (docs/semantics.md).
 """
 
 from __future__ import annotations
@@ -37,74 +38,84 @@ from distgrad import _comm
 from distgrad._group import Group
 from distgrad.errors import CollectiveArgumentError, CollectiveMismatchError
 
-__all__ = ["RankCall", "debug_enabled", "exchange", "require_same", "set_debug"]
+__all__ = [
+    "RankCall",
+    "debug_enabled",
+    "describe_ranks",
+    "dtype_name",
+    "exchange",
+    "message_width",
+    "named",
+    "require_same",
+    "set_debug",
+    "show",
+]
 
 _MAGIC = 0x6469737467726164 & 0x7FFFFFFFFFFFFFFF  # "distgrad"
 _MAX_DIMS = 12
 _MAX_ARGS = 10
-_HEADER = 10  # magic, op, debug, problem, has_tensor, dtype, device, requires_grad, call, site
-_WIDTH = _HEADER + 1 + _MAX_DIMS + 1 + _MAX_ARGS
-
-_OPS = (
-    "all_gather",
-    "reduce_scatter",
-    "all_reduce",
-    "all_to_all",
-    "broadcast",
-    "reduce",
-    "gather",
-    "scatter",
-    "permute",
-    "backward",
-    "loss",
-)
-_DTYPES = (
-    torch.float32,
-    torch.float64,
-    torch.float16,
-    torch.bfloat16,
-    torch.complex64,
-    torch.complex128,
-    torch.int8,
-    torch.uint8,
-    torch.int16,
-    torch.int32,
-    torch.int64,
-    torch.bool,
-)
-_DEVICES = ("cpu", "cuda", "xpu", "mps", "meta")
-
-_debug = os.environ.get("DISTGRAD_DEBUG", "") not in ("", "0")
-
-# How many distgrad calls this process has made on each group, keyed by the group object's id
-# and name (a ProcessGroup takes no attributes and no weak references; the name guards against
-# a reused id). The handshake pairs every rank's i-th call, so the count names a call the same
-# way on every rank: debug mode uses it to check that backwards answer the same forward call.
-_calls: dict[tuple[int, str], int] = {}
+_HEADER = 12  # magic, op, debug, problem, has_tensor, dtype, device, requires_grad, grad mode,
+#               call, site, number of args
+_SHAPE_AT = _HEADER  # ndim, then _MAX_DIMS entries
+_ARGS_AT = _SHAPE_AT + 1 + _MAX_DIMS
+_LISTS_AT = _ARGS_AT + _MAX_ARGS
+_LISTS = 2
 
 
-def _call_key(group: Group) -> tuple[int, str]:
-    return (id(group.pg), str(getattr(group.pg, "group_name", "")))
+def _list_width(group_size: int) -> int:
+    """One list slot: its length plus one (0: absent), then room for N sizes or a shape."""
+    return 1 + max(group_size, _MAX_DIMS)
 
 
-def _next_call(group: Group) -> int:
-    key = _call_key(group)
-    count = _calls.get(key, 0)
-    _calls[key] = count + 1
-    return count
+def message_width(group_size: int) -> int:
+    """The width of every metadata message on a group of ``group_size`` ranks."""
+    return _LISTS_AT + _LISTS * _list_width(group_size)
+
+
+def _code(name: str) -> int:
+    """A stable small integer for a name: crc32, the same in every process (hash() is not)."""
+    return zlib.crc32(name.encode()) & 0x7FFFFFFF
+
+
+# Every dtype torch has travels by a checksum of its name, so no dtype is ever reinterpreted as
+# another: a float8 variant against another, uint16 against uint32 (each an error, named).
+_DTYPES = {
+    _code(str(value)): value
+    for value in (getattr(torch, name) for name in dir(torch))
+    if isinstance(value, torch.dtype)
+}
+_NO_DTYPE = -1
+
+
+def _env_debug() -> bool:
+    if os.environ.get("DISTGRAD_DEBUG", "") not in ("", "0"):
+        return True
+    return os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL"
+
+
+_debug = _env_debug()
 
 
 def set_debug(enabled: bool) -> None:
-    """Turn debug checks on or off for this process (the default comes from ``DISTGRAD_DEBUG``).
+    """Turn debug mode on or off for this process.
 
-    Debug mode adds, on top of the checks that always run, a handshake in every backward
-    collective that verifies all ranks run their backward collectives in the same order (a rank
-    whose loss uses the outputs in a different order can otherwise pair the wrong collectives),
-    and, for ``objective="replicated"``, that every rank's incoming gradient is the same.
-    Each costs one extra collective per backward call. It also compares, in every forward
-    handshake, where in the caller's code each rank made the call, which catches a rank that
-    skipped a call at once (ranks that legitimately call from different lines must leave debug
-    mode off). Every rank must use the same setting.
+    The default comes from the environment: ``DISTGRAD_DEBUG=1``, or
+    ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (torch's own debug level for collectives).
+
+    Outside debug mode, distgrad checks the first calls on each group across ranks (every
+    rank's shapes, dtypes and arguments, before any data moves) and then trusts the ranks to
+    keep making matching calls, so that a training step sends nothing but its data. Debug mode
+    checks *every* call that way, and adds:
+
+    * a handshake in every backward collective that verifies all ranks run their backward
+      collectives in the same order (a rank whose loss uses the outputs in a different order
+      could otherwise pair the wrong collectives);
+    * for ``objective="replicated"``, a check that every rank's incoming gradient is the same;
+    * a comparison of the Python stacks that made each call, which catches a rank that skipped
+      a call at once, even through a shared helper (ranks that legitimately call from
+      different places must leave debug mode off).
+
+    Each check costs one small collective. Every rank must use the same setting.
     """
     global _debug
     _debug = bool(enabled)
@@ -116,7 +127,7 @@ def debug_enabled() -> bool:
 
 @dataclass(frozen=True)
 class RankCall:
-    """What one rank passed to a collective."""
+    """What one rank passed to a collective, as every rank sees it after the exchange."""
 
     rank: int
     op: str
@@ -125,53 +136,100 @@ class RankCall:
     dtype: torch.dtype | None
     device_type: str
     requires_grad: bool
+    grad_mode: bool
     shape: tuple[int, ...]
     args: tuple[int, ...]
+    lists: tuple[tuple[int, ...] | None, ...]
     call: int = 0  # how many distgrad calls this rank made on the group before this one
-    site: int = 0  # debug mode: a checksum of where in the caller's code the call was made
+    site: int = 0  # debug mode: a checksum of the stack that made the call
+
+
+# The names behind the op and device codes, so that a peer's code can be shown as a name.
+_NAMES: dict[int, str] = {}
+
+
+def named(name: str) -> int:
+    """The code of an op or device name, remembered so that a peer's code can be shown by name.
+
+    Ops register their names when they are defined, so a rank can name a peer's op it has not
+    called itself.
+    """
+    code = _code(name)
+    _NAMES[code] = name
+    return code
+
+
+for _device in ("cpu", "cuda", "xpu", "mps", "meta", "hpu", "mtia", "privateuseone"):
+    named(_device)
+named("backward")
 
 
 def _encode(
-    op: str, x: Tensor | None, args: Sequence[int], problem: bool, call: int = 0, site: int = 0
+    op: str,
+    x: Tensor | None,
+    args: Sequence[int],
+    lists: Sequence[Sequence[int] | None],
+    problem: bool,
+    call: int,
+    site: int,
+    group_size: int,
 ) -> list[int]:
-    has = x is not None
-    dtype = _DTYPES.index(x.dtype) if x is not None and x.dtype in _DTYPES else -1
-    device = _DEVICES.index(x.device.type) if x is not None and x.device.type in _DEVICES else -1
-    shape = list(x.shape) if x is not None else []
-    vec = [_MAGIC, _OPS.index(op), int(_debug), int(problem), int(has), dtype, device]
-    vec += [int(x is not None and x.requires_grad), call, site]
+    vec = [_MAGIC, named(op), int(_debug), int(problem), int(x is not None)]
+    if x is None:
+        vec += [_NO_DTYPE, _NO_DTYPE, 0]
+        shape: list[int] = []
+    else:
+        vec += [_code(str(x.dtype)), named(x.device.type), int(x.requires_grad)]
+        shape = list(x.shape)
+    vec += [int(torch.is_grad_enabled()), call, site, len(args)]
     vec += [len(shape), *shape, *[0] * (_MAX_DIMS - len(shape))]
-    vec += [len(args), *args, *[0] * (_MAX_ARGS - len(args))]
-    assert len(vec) == _WIDTH
+    vec += [*args, *[0] * (_MAX_ARGS - len(args))]
+    slot = _list_width(group_size)
+    for values in [*lists, *[None] * (_LISTS - len(lists))]:
+        if values is None:
+            vec += [0] * slot
+        else:
+            vec += [len(values) + 1, *values, *[0] * (slot - 1 - len(values))]
+    assert len(vec) == message_width(group_size)
     return vec
 
 
-def _decode(rank: int, vec: list[int]) -> RankCall:
-    ndim = vec[_HEADER]
-    shape = tuple(vec[_HEADER + 1 : _HEADER + 1 + ndim])
-    nargs = vec[_HEADER + 1 + _MAX_DIMS]
-    args_at = _HEADER + 2 + _MAX_DIMS
+def _decode(rank: int, vec: list[int], group_size: int) -> RankCall:
+    ndim = vec[_SHAPE_AT]
+    lists: list[tuple[int, ...] | None] = []
+    slot = _list_width(group_size)
+    for i in range(_LISTS):
+        at = _LISTS_AT + i * slot
+        lists.append(tuple(vec[at + 1 : at + vec[at]]) if vec[at] else None)
+    has_tensor = bool(vec[4])
     return RankCall(
         rank=rank,
-        op=_OPS[vec[1]] if 0 <= vec[1] < len(_OPS) else f"<unknown op {vec[1]}>",
+        op=_NAMES.get(vec[1], f"<unknown op {vec[1]}>"),
         debug=bool(vec[2]),
-        has_tensor=bool(vec[4]),
-        dtype=_DTYPES[vec[5]] if vec[5] >= 0 else None,
-        device_type=_DEVICES[vec[6]] if vec[6] >= 0 else "other",
+        has_tensor=has_tensor,
+        dtype=_DTYPES.get(vec[5]) if has_tensor else None,
+        device_type=_NAMES.get(vec[6], "<unknown device type>") if has_tensor else "",
         requires_grad=bool(vec[7]),
-        shape=shape,
-        args=tuple(vec[args_at : args_at + nargs]),
-        call=vec[8],
-        site=vec[9],
+        grad_mode=bool(vec[8]),
+        call=vec[9],
+        site=vec[10],
+        shape=tuple(vec[_SHAPE_AT + 1 : _SHAPE_AT + 1 + ndim]),
+        args=tuple(vec[_ARGS_AT : _ARGS_AT + vec[11]]),
+        lists=tuple(lists),
     )
 
 
-def _call_site() -> str:
-    """Where the user's code called distgrad: the first frame outside the distgrad package."""
-    frame = sys._getframe(1)
-    while frame.f_back is not None and frame.f_globals.get("__name__", "").startswith("distgrad"):
+def _user_stack() -> list[str]:
+    """The caller's Python stack, innermost first, without distgrad's own frames."""
+    frames = []
+    frame: Any = sys._getframe(1)
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if not (module == "distgrad" or module.startswith("distgrad.")):
+            code = frame.f_code
+            frames.append(f"{code.co_filename}:{frame.f_lineno} in {code.co_name}")
         frame = frame.f_back
-    return f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
+    return frames
 
 
 def exchange(
@@ -180,32 +238,31 @@ def exchange(
     group: Group,
     x: Tensor | None,
     args: Sequence[int] = (),
+    lists: Sequence[Sequence[int] | None] = (),
     problem: str | None = None,
+    call: int = 0,
 ) -> list[RankCall]:
     """Share this rank's call with the group and return every rank's, indexed by group rank.
 
     ``problem`` is this rank's own complaint about its arguments, found before the handshake;
     it is raised, with every other rank's complaint, on every rank. ``desc`` names the call in
-    messages, e.g. ``"all_gather(dim=0)"``.
+    messages, e.g. ``"all_gather(dim=0)"``. ``call`` is the call's number on the group.
     """
+    assert len(args) <= _MAX_ARGS and len(lists) <= _LISTS, f"{op}: too much metadata"
     if problem is None and x is not None and x.dim() > _MAX_DIMS:
         problem = f"tensors of at most {_MAX_DIMS} dims are supported, got {x.dim()}"
-    if problem is None and len(args) > _MAX_ARGS:
-        raise AssertionError(f"{op}: too many handshake arguments")
+    longest = _list_width(group.size) - 1
+    if problem is None and any(v is not None and len(v) > longest for v in lists):
+        problem = f"lists of at most {longest} entries are supported"
+    if problem is not None:
+        x, args, lists = None, (), ()
+    stack = _user_stack() if _debug else []
+    site = _code("\n".join(stack)) if _debug else 0
+    mine = _encode(op, x, args, lists, problem is not None, call, site, group.size)
     if group.pg is None or group.size == 1:
         if problem is not None:
             raise CollectiveArgumentError(f"{desc} on rank {group.rank}: {problem}")
-        return [_decode(group.rank, _encode(op, x, args, False))]
-    call = _next_call(group)
-    site = _call_site() if _debug else ""
-    mine = _encode(
-        op,
-        None if problem else x,
-        args if not problem else (),
-        problem is not None,
-        call,
-        zlib.crc32(site.encode()),
-    )
+        return [_decode(group.rank, mine, 1)]
     try:
         rows = _comm.share(mine, group)
     except RuntimeError as exc:
@@ -216,25 +273,13 @@ def exchange(
             *exc.args[1:],
         )
         raise
-
-    calls = [_decode(rank, row) for rank, row in enumerate(rows)]
-    _check_same_call(desc, group, calls, rows)
-    if _debug and any(c.site != calls[0].site for c in calls):
-        _raise_sites(desc, group, site)
-    if any(row[3] for row in rows):
-        _raise_problems(desc, group, problem)
-    return calls
-
-
-def _check_same_call(desc: str, group: Group, calls: list[RankCall], rows: list[list[int]]) -> None:
     if any(row[0] != _MAGIC for row in rows):
         raise CollectiveMismatchError(
             f"{desc} on rank {group.rank}: some ranks are not inside a distgrad collective at "
             "this point (they called a raw torch.distributed collective or another library); "
             "every rank must make the same sequence of calls"
         )
-    # Each rank's i-th handshake meets its peers' i-th: the counts agree by construction.
-    assert all(c.call == calls[0].call for c in calls), "distgrad call counts diverged"
+    calls = [_decode(rank, row, group.size) for rank, row in enumerate(rows)]
     require_same(
         desc,
         group,
@@ -251,16 +296,30 @@ def _check_same_call(desc: str, group: Group, calls: list[RankCall], rows: list[
         lambda c: c.debug,
         "call distgrad.set_debug() with the same value on every rank",
     )
+    if _debug and any(c.site != calls[0].site for c in calls):
+        _raise_stacks(desc, group, stack)
+    if any(row[3] for row in rows):
+        _raise_problems(desc, group, problem)
+    return calls
 
 
-def _raise_sites(desc: str, group: Group, site: str) -> None:
-    sites: list[Any] = [None] * group.size
-    dist.all_gather_object(sites, site, group=group.pg)
-    listing = "; ".join(f"rank {rank}: {where}" for rank, where in enumerate(sites))
+def _raise_stacks(desc: str, group: Group, stack: list[str]) -> None:
+    stacks: list[Any] = [None] * group.size
+    dist.all_gather_object(stacks, stack, group=group.pg)
+    # Show the innermost frame where the stacks differ: a shared helper's own line is the same
+    # on every rank, its caller's is not.
+    depth = 0
+    while all(depth < len(s) for s in stacks) and len({s[depth] for s in stacks}) == 1:
+        depth += 1
+    listing = "; ".join(
+        f"rank {rank}: {s[depth] if depth < len(s) else '(a shallower stack)'}"
+        for rank, s in enumerate(stacks)
+    )
+    where = "" if depth == 0 else f" (called through {stacks[0][0]})"
     raise CollectiveMismatchError(
         f"{desc} on rank {group.rank}: debug mode: ranks made this call from different places "
-        f"({listing}); a rank skipped a call or made an extra one (if your ranks legitimately "
-        "call from different lines, turn debug mode off)"
+        f"({listing}){where}; a rank skipped a call or made an extra one (if your ranks "
+        "legitimately call from different places, turn debug mode off)"
     )
 
 
@@ -277,7 +336,7 @@ def describe_ranks(calls: Sequence[RankCall], key: Callable[[RankCall], object])
     """'rank 0: a; ranks 1, 2: b' - each distinct value once, with the ranks that passed it."""
     groups: dict[str, list[int]] = {}
     for call in calls:
-        groups.setdefault(_show(key(call)), []).append(call.rank)
+        groups.setdefault(show(key(call)), []).append(call.rank)
     parts = []
     for value, ranks in groups.items():
         who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
@@ -285,7 +344,8 @@ def describe_ranks(calls: Sequence[RankCall], key: Callable[[RankCall], object])
     return "; ".join(parts)
 
 
-def _show(value: object) -> str:
+def show(value: object) -> str:
+    """A value as messages show it: tuples as shapes, lists as lists."""
     if isinstance(value, tuple):
         return "(" + ", ".join(map(str, value)) + ("," if len(value) == 1 else "") + ")"
     return str(value)
@@ -311,3 +371,7 @@ def require_same(
     raise CollectiveMismatchError(
         f"{desc} on rank {group.rank}: ranks disagree on {what} ({listing}); {rule}"
     )
+
+
+def dtype_name(dtype: torch.dtype | None) -> str:
+    return "an unknown dtype" if dtype is None else str(dtype)

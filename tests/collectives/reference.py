@@ -13,6 +13,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
+import distgrad as dg
+from distgrad.collectives._signature import CHECKED_CALLS
+
+OPS = ("sum", "avg", "prod", "max", "min")
+# float64 to 1e-10 relative (the reductions may add in a different order than the reference);
+# float32 to 1e-5 relative for the same reason.
+TOL = {torch.float64: {"rtol": 1e-10, "atol": 1e-12}, torch.float32: {"rtol": 1e-5, "atol": 1e-6}}
+
 
 @dataclass(frozen=True)
 class Case:
@@ -115,6 +123,42 @@ def outputs(case: Case, xs: list[Tensor]) -> list[Tensor]:
     raise AssertionError(op)
 
 
+def call_args(case: Case, rank: int, xs: list[Tensor], known: bool) -> tuple[Any, dict[str, Any]]:
+    """What rank ``rank`` passes to ``case``'s op, as a user would: (x, keyword arguments).
+
+    ``known``: also pass every size a rank could otherwise only learn from its peers
+    (``sizes`` of all_gather and gather, ``output_sizes``, ``recv_shape``, and for scatter the
+    sizes on every rank with a tensor shaped like its part on the receivers), so that the call
+    exchanges no metadata. A scatter with ``sizes`` always takes that form (sizes are given on
+    every rank or on none); without them its receivers pass None and learn the shapes.
+    """
+    n = len(xs)
+    kwargs = case.kwargs_for(rank)
+    dim = kwargs.get("dim", 0)
+    x: Any = xs[rank]
+    if case.op == "scatter":
+        src = xs[kwargs["src"]]
+        sizes = kwargs.get("sizes") or [src.shape[dim] // n] * n
+        known = known or "sizes" in kwargs
+        if rank != kwargs["src"]:
+            if not known:
+                return None, kwargs
+            x = src.narrow(dim, 0, sizes[rank]).detach().clone().requires_grad_()  # as the source
+        return x, ({**kwargs, "sizes": sizes} if known else kwargs)
+    if not known:
+        return x, kwargs
+    if case.op in ("all_gather", "gather"):
+        return x, {**kwargs, "sizes": [t.shape[dim % t.dim()] for t in xs]}
+    if case.op == "permute":
+        return x, {**kwargs, "recv_shape": tuple(xs[list(kwargs["perm"]).index(rank)].shape)}
+    if case.op == "all_to_all":
+        split = [
+            case.kwargs_for(s).get("input_sizes") or [xs[s].shape[dim] // n] * n for s in range(n)
+        ]
+        return x, {**kwargs, "output_sizes": [split[s][rank] for s in range(n)]}
+    return x, kwargs
+
+
 def reference_grads(case: Case, xs: list[Tensor], vs: list[Tensor]) -> list[Tensor]:
     """d/dx_r of sum_r <outputs[r], vs[r]>, computed in one process."""
     leaves = [x.detach().clone().requires_grad_() for x in xs]
@@ -122,3 +166,10 @@ def reference_grads(case: Case, xs: list[Tensor], vs: list[Tensor]) -> list[Tens
     total = sum((o * v).sum() for o, v in zip(outs, vs, strict=True))
     grads = torch.autograd.grad(total, leaves, allow_unused=True)
     return [g if g is not None else torch.zeros_like(x) for g, x in zip(grads, xs, strict=True)]
+
+
+def warm_up(device: str = "cpu", group: Any = None) -> None:
+    """Make the calls that are checked across ranks, so that the next ones on ``group`` are not
+    (as in a long training run)."""
+    for _ in range(CHECKED_CALLS):
+        dg.all_reduce(torch.zeros(1, device=device), group=group)

@@ -18,128 +18,135 @@ import torch
 import torch.distributed as dist
 
 import distgrad as dg
+from distgrad._meta import debug_enabled
 from distgrad.errors import CollectiveArgumentError, CollectiveMismatchError, RankFailedError
-from distgrad.losses._ring import ring_rows
 from distgrad.testing import run_on_ranks
 
 Case = Callable[[int, int], Any]
 
+# The group every case calls on: a fresh one per case in default mode, whose first calls are
+# checked across ranks; the world group in debug mode, where every call is.
+_GROUP: Any = None
+
 
 def _dtype_differs(rank: int, n: int) -> Any:
-    return dg.all_reduce(torch.ones(3, dtype=torch.float32 if rank == 0 else torch.float64))
+    return dg.all_reduce(
+        torch.ones(3, dtype=torch.float32 if rank == 0 else torch.float64), group=_GROUP
+    )
 
 
 def _device_type_differs(rank: int, n: int) -> Any:
     # CPU-only machines have a second device type: "meta" tensors carry shape and dtype but no
     # data, and the handshake rejects the mismatch before any data would move.
-    return dg.all_gather(torch.ones(2, device="cpu" if rank == 0 else "meta"))
+    return dg.all_gather(torch.ones(2, device="cpu" if rank == 0 else "meta"), group=_GROUP)
 
 
 def _skipped_call(rank: int, n: int) -> Any:
     # Rank 1 skips the first call; its next call has the same op and shape, so only debug mode's
     # call sites tell them apart (otherwise rank 0's first call pairs with rank 1's second).
+    was = debug_enabled()
     dg.set_debug(True)
     try:
         if rank == 0:
-            dg.all_reduce(torch.ones(2))
-        return dg.all_reduce(torch.ones(2))
+            dg.all_reduce(torch.ones(2), group=_GROUP)
+        return dg.all_reduce(torch.ones(2), group=_GROUP)
     finally:
-        dg.set_debug(False)
+        dg.set_debug(was)
 
 
 def _skipped_call_then_a_different_one(rank: int, n: int) -> Any:
     # Without debug mode a skip is caught at the first call that differs from the peers'.
     if rank == 0:
-        dg.all_reduce(torch.ones(2))
-    return dg.all_gather(torch.ones(2))
+        dg.all_reduce(torch.ones(2), group=_GROUP)
+    return dg.all_gather(torch.ones(2), group=_GROUP)
 
 
 def _gathered_dims_differ(rank: int, n: int) -> Any:
-    return dg.all_gather(torch.ones(2, 4 if rank == 0 else 5))
+    return dg.all_gather(torch.ones(2, 4 if rank == 0 else 5), group=_GROUP)
 
 
 def _shape_differs(rank: int, n: int) -> Any:
-    return dg.all_reduce(torch.ones(3 + rank))
+    return dg.all_reduce(torch.ones(3 + rank), group=_GROUP)
 
 
 def _ndim_differs(rank: int, n: int) -> Any:
-    return dg.all_gather(torch.ones((2, 3) if rank == 0 else (2, 3, 1)))
+    return dg.all_gather(torch.ones((2, 3) if rank == 0 else (2, 3, 1)), group=_GROUP)
 
 
 def _unknown_op(rank: int, n: int) -> Any:
-    return dg.all_reduce(torch.ones(3), op="mean" if rank == 1 else "sum")  # type: ignore[arg-type]
+    return dg.all_reduce(torch.ones(3), op="mean" if rank == 1 else "sum", group=_GROUP)  # type: ignore[arg-type]
 
 
 def _ops_differ(rank: int, n: int) -> Any:
-    return dg.all_reduce(torch.ones(3), op="max" if rank == 1 else "sum")
+    return dg.all_reduce(torch.ones(3), op="max" if rank == 1 else "sum", group=_GROUP)
 
 
 def _unknown_objective(rank: int, n: int) -> Any:
-    return dg.all_gather(torch.ones(3), objective="once")  # type: ignore[arg-type]
+    return dg.all_gather(torch.ones(3), objective="once", group=_GROUP)  # type: ignore[arg-type]
 
 
 def _reduce_scatter_sizes_do_not_add_up(rank: int, n: int) -> Any:
-    return dg.reduce_scatter(torch.ones(6, 2), sizes=[1, 2] if rank == 1 else [3, 3])
+    return dg.reduce_scatter(torch.ones(6, 2), sizes=[1, 2] if rank == 1 else [3, 3], group=_GROUP)
 
 
 def _reduce_scatter_uneven_without_sizes(rank: int, n: int) -> Any:
-    return dg.reduce_scatter(torch.ones(5, 2))
+    return dg.reduce_scatter(torch.ones(5, 2), group=_GROUP)
 
 
 def _all_to_all_input_sizes_do_not_add_up(rank: int, n: int) -> Any:
-    return dg.all_to_all(torch.ones(4), input_sizes=[2, 3] if rank == 0 else [2, 2])
+    return dg.all_to_all(torch.ones(4), input_sizes=[2, 3] if rank == 0 else [2, 2], group=_GROUP)
 
 
 def _all_to_all_output_sizes_disagree(rank: int, n: int) -> Any:
-    return dg.all_to_all(torch.ones(4), output_sizes=[2, 1] if rank == 1 else [2, 2])
+    return dg.all_to_all(torch.ones(4), output_sizes=[2, 1] if rank == 1 else [2, 2], group=_GROUP)
 
 
 def _scatter_sizes_do_not_add_up(rank: int, n: int) -> Any:
     x = torch.ones(4, 2) if rank == 0 else None
-    return dg.scatter(x, 0, sizes=[1, 1])
+    return dg.scatter(x, 0, sizes=[1, 1], group=_GROUP)
 
 
 def _src_out_of_range(rank: int, n: int) -> Any:
-    return dg.broadcast(torch.ones(2), src=n)
+    return dg.broadcast(torch.ones(2), src=n, group=_GROUP)
 
 
 def _dst_out_of_range(rank: int, n: int) -> Any:
-    return dg.gather(torch.ones(2), dst=-1)
+    return dg.gather(torch.ones(2), dst=-1, group=_GROUP)
 
 
 def _dst_differs(rank: int, n: int) -> Any:
-    return dg.reduce(torch.ones(2), dst=rank)
+    return dg.reduce(torch.ones(2), dst=rank, group=_GROUP)
 
 
 def _perm_not_a_permutation(rank: int, n: int) -> Any:
-    return dg.permute(torch.ones(2), [0, 0] if rank == 0 else [1, 0])
+    return dg.permute(torch.ones(2), [0, 0] if rank == 0 else [1, 0], group=_GROUP)
 
 
 def _perm_differs(rank: int, n: int) -> Any:
-    return dg.permute(torch.ones(2), [0, 1] if rank == 0 else [1, 0])
+    return dg.permute(torch.ones(2), [0, 1] if rank == 0 else [1, 0], group=_GROUP)
 
 
 def _different_collectives(rank: int, n: int) -> Any:
     x = torch.ones(2)
-    return dg.all_reduce(x) if rank == 0 else dg.broadcast(x, 0)
+    return dg.all_reduce(x, group=_GROUP) if rank == 0 else dg.broadcast(x, 0, group=_GROUP)
 
 
 def _grad_mode_differs(rank: int, n: int) -> Any:
     x = torch.ones(2, requires_grad=True)
     with torch.set_grad_enabled(rank == 0):
-        return dg.all_reduce(x)
+        return dg.all_reduce(x, group=_GROUP)
 
 
 def _zero_dim_all_gather(rank: int, n: int) -> Any:
-    return dg.all_gather(torch.tensor(1.0))
+    return dg.all_gather(torch.tensor(1.0), group=_GROUP)
 
 
 def _dim_out_of_range(rank: int, n: int) -> Any:
-    return dg.gather(torch.ones(2, 2), 0, dim=2)
+    return dg.gather(torch.ones(2, 2), 0, dim=2, group=_GROUP)
 
 
 def _scatter_source_passes_none(rank: int, n: int) -> Any:
-    return dg.scatter(None, 0)
+    return dg.scatter(None, 0, group=_GROUP)
 
 
 # name -> (the bad call, the expected error type, phrases every rank's message must contain)
@@ -270,9 +277,12 @@ CASES: dict[str, tuple[Case, type[Exception], tuple[str, ...]]] = {
 }
 
 
-def _make_bad_calls(rank: int, world_size: int) -> dict[str, tuple[str, str]]:
+def _make_bad_calls(rank: int, world_size: int, debug: bool) -> dict[str, tuple[str, str]]:
+    global _GROUP
+    dg.set_debug(debug)
     seen = {}
     for name, (call, _, _) in CASES.items():
+        _GROUP = None if debug else dist.new_group(list(range(world_size)))
         try:
             call(rank, world_size)
         except Exception as exc:
@@ -284,9 +294,12 @@ def _make_bad_calls(rank: int, world_size: int) -> dict[str, tuple[str, str]]:
     return seen
 
 
-def test_bad_input_raises_the_same_clear_error_on_every_rank() -> None:
+@pytest.mark.parametrize("debug", [False, True], ids=["first calls", "debug mode"])
+def test_bad_input_raises_the_same_clear_error_on_every_rank(debug: bool) -> None:
+    """Each bad call is checked across ranks: as the first call on a fresh group (default
+    mode), and after many calls on one group (debug mode, which checks every call)."""
     start = time.monotonic()
-    per_rank = run_on_ranks(_make_bad_calls, 2, timeout=30)
+    per_rank = run_on_ranks(_make_bad_calls, 2, args=(debug,), timeout=30)
     elapsed = time.monotonic() - start
     failures = []
     for name, (_, expected_type, phrases) in CASES.items():
@@ -349,14 +362,15 @@ def test_a_rank_that_skips_a_collective_makes_its_peer_fail_with_where_it_waited
 
 
 def _handshake_meets_a_loss_size_exchange(rank: int, world_size: int) -> str:
-    # Two different kinds of metadata message meet: rank 0's handshake and rank 1's row-count
-    # exchange of a ring loss. They have the same width, so gloo never sees two sizes (which
-    # aborts the process); each rank reads the other's message and raises.
+    # Two different kinds of metadata message meet: rank 0's all_reduce handshake and rank 1's
+    # row-count exchange of a loss (a 2-dim tensor and two size lists). Every metadata message
+    # on a group has the same width, so gloo never sees two sizes (which aborts the process);
+    # each rank reads the other's message and raises.
     with pytest.raises(CollectiveMismatchError) as info:
         if rank == 0:
             dg.all_reduce(torch.ones(2))
         else:
-            ring_rows("nt_xent", torch.ones(4, 3), None)
+            dg.losses.nt_xent(torch.ones(4, 3), torch.ones(4, 3), block_size=2)
     return str(info.value)
 
 
@@ -364,8 +378,9 @@ def test_metadata_messages_of_different_kinds_meet_without_aborting() -> None:
     start = time.monotonic()
     messages = run_on_ranks(_handshake_meets_a_loss_size_exchange, 2, timeout=30)
     assert time.monotonic() - start < 10
-    assert "some ranks are not inside a distgrad collective" in messages[0]
-    assert "nt_xent on rank 1: ranks disagree on the embedding dim" in messages[1]
+    for rank, message in enumerate(messages):
+        assert f"on rank {rank}: ranks disagree on which collective they called" in message
+        assert "rank 0: all_reduce; rank 1: nt_xent" in message
 
 
 def _sub_group_member_check(rank: int, world_size: int) -> str:

@@ -19,10 +19,17 @@ import torch
 
 import distgrad as dg
 from distgrad.testing import run_on_ranks
-from tests.collectives.reference import Case, cotangents, inputs, outputs, reference_grads
-
-OPS = ("sum", "avg", "prod", "max", "min")
-TOL = {torch.float64: {"rtol": 1e-10, "atol": 1e-12}, torch.float32: {"rtol": 1e-5, "atol": 1e-6}}
+from tests.collectives.reference import (
+    OPS,
+    TOL,
+    Case,
+    call_args,
+    cotangents,
+    inputs,
+    outputs,
+    reference_grads,
+    warm_up,
+)
 
 
 def cases(n: int) -> list[Case]:
@@ -102,8 +109,11 @@ def check_case(
     device: str = "cpu",
     group: Any = None,
     in_place: bool = False,
+    known: bool = False,
 ) -> None:
     """Run ``case`` as group rank ``rank`` of ``n`` and compare with the reference.
+
+    ``known``: pass every size the op could otherwise learn from its peers (no exchange).
 
     ``in_place``: double the output in place before the loss (an output is a tensor of its
     own, which autograd lets the caller modify), so the gradient doubles too.
@@ -119,7 +129,9 @@ def check_case(
         grads = reference_grads(case, xs, vs)
     x = xs[rank].to(device).requires_grad_()
     passes_none = case.op == "scatter" and rank != case.kwargs["src"]
-    out = getattr(dg, case.op)(None if passes_none else x, group=group, **case.kwargs_for(rank))
+    local = [x if r == rank else t.to(device) for r, t in enumerate(xs)]
+    arg, kwargs = call_args(case, rank, local, known)
+    out = getattr(dg, case.op)(arg, group=group, **kwargs)
     torch.testing.assert_close(
         out.cpu(), expected[rank], **TOL[dtype], msg=lambda m: f"forward: {m}"
     )
@@ -132,10 +144,17 @@ def check_case(
         torch.testing.assert_close(got, want, **TOL[dtype], msg=lambda m: f"gradient: {m}")
 
 
-def check_all(rank: int, n: int, which: str, dtype_name: str, device: str = "cpu") -> list[str]:
+def check_all(
+    rank: int, n: int, which: str, dtype_name: str, device: str = "cpu", debug: bool = False
+) -> list[str]:
+    """Every case of ``which``: in debug mode as given; otherwise past the checked first calls
+    on the group, as given and again with every size known (no metadata at all)."""
     dtype = getattr(torch, dtype_name)
     if device == "cuda":
         torch.cuda.set_device(rank)
+    dg.set_debug(debug)
+    if not debug:
+        warm_up(device)
     if which == "in_place":
         # Outputs of the linear ops; prod/max/min outputs are saved by their local reduction's
         # backward, so modifying them in place is an autograd error, as with torch.prod.
@@ -144,10 +163,11 @@ def check_all(rank: int, n: int, which: str, dtype_name: str, device: str = "cpu
         chosen = {"main": cases, "edge": edge_cases, "replicated": replicated_cases}[which](n)
     failures = []
     for case in chosen:
-        try:
-            check_case(rank, n, case, dtype, device, in_place=which == "in_place")
-        except (AssertionError, RuntimeError) as exc:
-            failures.append(f"rank {rank}: {case}: {str(exc)[:300]}")
+        for known in (False, True) if not debug else (False,):
+            try:
+                check_case(rank, n, case, dtype, device, in_place=which == "in_place", known=known)
+            except (AssertionError, RuntimeError) as exc:
+                failures.append(f"rank {rank}: {case} (sizes known: {known}): {str(exc)[:300]}")
     return failures
 
 
@@ -159,8 +179,16 @@ def _assert_none_failed(results: list[list[str]]) -> None:
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 @pytest.mark.parametrize("dtype_name", ["float64", "float32"])
 def test_every_op_matches_single_process_autograd(world_size: int, dtype_name: str) -> None:
-    """Forward and input gradient of every op, even and uneven sizes, random cotangents."""
+    """Forward and input gradient of every op, even and uneven sizes, random cotangents; past
+    the checked first calls, with and without the sizes given."""
     _assert_none_failed(run_on_ranks(check_all, world_size, args=("main", dtype_name)))
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_every_op_matches_single_process_autograd_in_debug_mode(world_size: int) -> None:
+    """The same sweep with every call checked across ranks, forward and backward."""
+    results = run_on_ranks(check_all, world_size, args=("main", "float64", "cpu", True))
+    _assert_none_failed(results)
 
 
 def test_every_op_matches_single_process_autograd_on_four_ranks() -> None:

@@ -1,77 +1,85 @@
-"""What every differentiable collective shares: argument checks, the handshake, dim moves.
+"""What every differentiable collective shares: argument checks a rank makes alone, dim moves.
 
-The handshake (``distgrad._meta``) also settles one thing autograd cannot settle locally: whether
-the op's output requires grad. A collective's backward is itself a collective, so either every
-rank runs it or none does. The output therefore requires grad on every rank as soon as the input
-does on *any* rank; a rank whose own input does not require grad passes a tiny ``anchor`` leaf to
-the autograd function so that autograd still records the node, runs it in backward (taking part
-in the communication) and returns no gradient for its input.
+Cross-rank checks live in ``_signature``; everything here looks at one rank's arguments only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Sequence
 from typing import Literal
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
-from distgrad._group import Group
-from distgrad._meta import RankCall, exchange, require_same
 from distgrad.errors import UnsupportedAdjointError
 
 __all__ = [
     "OBJECTIVES",
     "REDUCE_OPS",
-    "Arg",
     "Objective",
     "ReduceOp",
     "anchor",
     "apply",
-    "at_call",
-    "check_shapes_equal",
-    "check_shapes_except",
+    "check_grad_dtype",
+    "extent",
     "from_front",
-    "handshake",
+    "ndim_of",
     "near_even",
-    "needs_grad",
     "normalize_dim",
+    "objective_problem",
+    "offsets",
+    "op_name",
     "op_problem",
     "output",
+    "rank_problem",
+    "sizes_problem",
     "split_sizes",
     "to_front",
 ]
 
-ReduceOp = Literal["sum", "avg", "prod", "max", "min"]
+ReduceOp = Literal["sum", "avg", "prod", "max", "min"] | dist.ReduceOp | dist.ReduceOp.RedOpType
 Objective = Literal["sum", "replicated"]
 REDUCE_OPS: tuple[str, ...] = ("sum", "avg", "prod", "max", "min")
 OBJECTIVES: tuple[str, ...] = ("sum", "replicated")
 
+# torch.distributed's reduce ops, as every torch user writes them (dist.ReduceOp.SUM).
+_TORCH_OP_NAMES = {
+    dist.ReduceOp.SUM: "sum",
+    dist.ReduceOp.AVG: "avg",
+    dist.ReduceOp.PRODUCT: "prod",
+    dist.ReduceOp.MAX: "max",
+    dist.ReduceOp.MIN: "min",
+}
 
-def _same(value: int) -> object:
-    return value
 
-
-@dataclass(frozen=True)
-class Arg:
-    """One integer argument that every rank must pass identically, with how to show it."""
-
-    name: str
-    value: int
-    show: Callable[[int], object] = field(default=_same)
-    same: bool = True  # whether every rank must pass the same value
+def op_name(op: object) -> str:
+    """``op`` as distgrad's name: a name as it is, one of torch's ``dist.ReduceOp`` values as
+    its name; anything else shown as what it is (and refused by ``op_problem``)."""
+    if isinstance(op, str):
+        return op
+    for torch_op, name in _TORCH_OP_NAMES.items():
+        if op == torch_op:
+            return name
+    return f"<{type(op).__name__} {op}>"
 
 
 def op_problem(op: str, allowed: Sequence[str] = REDUCE_OPS) -> str | None:
     if op not in allowed:
-        return f"op must be one of {sorted(allowed)}, got {op!r}"
+        return f"op must be one of {sorted(allowed)} (or their dist.ReduceOp), got {op!r}"
     return None
 
 
-def objective_problem(objective: str) -> str | None:
+def objective_problem(objective: object) -> str | None:
     if objective not in OBJECTIVES:
         return f"objective must be one of {sorted(OBJECTIVES)}, got {objective!r}"
+    return None
+
+
+def sizes_problem(name: str, sizes: Sequence[int], parts: int) -> str | None:
+    """Whether ``sizes`` is one non-negative int per rank."""
+    if len(sizes) != parts or any(not isinstance(s, int) or s < 0 for s in sizes):
+        return f"{name} must be {parts} non-negative ints (one per rank), got {list(sizes)}"
     return None
 
 
@@ -91,18 +99,13 @@ def split_sizes(
             )
         return (total // parts,) * parts, None
     sizes = tuple(sizes)
-    if len(sizes) != parts or any(not isinstance(s, int) or s < 0 for s in sizes):
-        return (
-            0,
-        ) * parts, f"{name} must be {parts} non-negative ints (one per rank), got {list(sizes)}"
-    if sum(sizes) != total:
-        return (
-            0,
-        ) * parts, f"{name} {list(sizes)} add up to {sum(sizes)}, but x has {total} along dim"
-    return sizes, None
+    problem = sizes_problem(name, sizes, parts)
+    if problem is None and sum(sizes) != total:
+        problem = f"{name} {list(sizes)} add up to {sum(sizes)}, but x has {total} along dim"
+    return ((0,) * parts, problem) if problem else (sizes, None)
 
 
-def rank_problem(name: str, value: int, size: int) -> str | None:
+def rank_problem(name: str, value: object, size: int) -> str | None:
     if not isinstance(value, int) or not 0 <= value < size:
         return f"{name} must be a group rank in [0, {size}), got {value!r}"
     return None
@@ -112,108 +115,34 @@ def normalize_dim(dim: int, ndim: int) -> tuple[int, str | None]:
     """``dim`` as a non-negative index, or a problem if it does not exist."""
     if ndim == 0:
         return 0, "x must have at least 1 dim, got a 0-dim tensor (use x.unsqueeze(0))"
-    if not -max(ndim, 1) <= dim < max(ndim, 1):
+    if not isinstance(dim, int) or not -ndim <= dim < ndim:
         return 0, f"dim {dim} is out of range for a tensor with {ndim} dims"
-    return dim % max(ndim, 1), None
+    return dim % ndim, None
 
 
-def handshake(
-    op: str,
-    desc: str,
-    group: Group,
-    x: Tensor | None,
-    args: Sequence[Arg] = (),
-    problem: str | None = None,
-) -> list[RankCall]:
-    """Exchange calls and check what every op needs: same arguments, dtype and device type."""
-    grad_mode = Arg("grad mode (torch.is_grad_enabled())", int(torch.is_grad_enabled()), bool)
-    args = (*args, grad_mode)
-    calls = exchange(op, desc, group, x, [a.value for a in args], problem)
-    for i, arg in enumerate(args):
-        if not arg.same:
-            continue
-        require_same(
-            desc,
-            group,
-            calls,
-            arg.name,
-            _arg_value(i, arg),
-            f"every rank must pass the same {arg.name}",
-        )
-    with_tensor = [c for c in calls if c.has_tensor]
-    if with_tensor:
-        require_same(
-            desc,
-            group,
-            with_tensor,
-            "dtype",
-            lambda c: c.dtype,
-            "every rank must pass the same dtype",
-        )
-        require_same(
-            desc,
-            group,
-            with_tensor,
-            "device type",
-            lambda c: c.device_type,
-            "every rank must pass tensors on the same kind of device",
-        )
-    return calls
+def ndim_of(x: object) -> int:
+    """``x.dim()``, or 1 for a non-tensor (whose problem is reported by the signature)."""
+    return x.dim() if isinstance(x, Tensor) else 1
 
 
-def at_call(group: Group, calls: Sequence[RankCall]) -> Group:
-    """``group`` marked with the call its handshake just made (debug mode checks backward order)."""
-    return replace(group, call=calls[0].call)
-
-
-def _arg_value(index: int, arg: Arg) -> Callable[[RankCall], object]:
-    return lambda call: arg.show(call.args[index])
-
-
-def check_shapes_equal(desc: str, group: Group, calls: Sequence[RankCall]) -> None:
-    require_same(
-        desc,
-        group,
-        calls,
-        "shape",
-        lambda c: c.shape,
-        "every rank must pass a tensor of the same shape",
-    )
-
-
-def check_shapes_except(desc: str, group: Group, calls: Sequence[RankCall], dim: int) -> None:
-    require_same(
-        desc,
-        group,
-        calls,
-        "number of dims",
-        lambda c: len(c.shape),
-        "every rank must pass a tensor with the same number of dims",
-    )
-    require_same(
-        desc,
-        group,
-        calls,
-        f"the shape outside dim {dim}",
-        lambda c: tuple(s for i, s in enumerate(c.shape) if i != dim),
-        f"all dims except dim {dim} must match",
-        shown=lambda c: c.shape,
-    )
-
-
-def needs_grad(calls: Sequence[RankCall]) -> bool:
-    return any(c.requires_grad for c in calls)
+def extent(x: object, dim: int) -> int:
+    """``x.shape[dim]``, or 0 when ``x`` is not a tensor or has no such dim."""
+    if not isinstance(x, Tensor) or not -x.dim() <= dim < max(x.dim(), 1) or x.dim() == 0:
+        return 0
+    return int(x.shape[dim])
 
 
 def anchor(x: Tensor | None, required: bool, device: torch.device | None = None) -> Tensor | None:
-    """A leaf that makes autograd record the op here when another rank's input requires grad."""
+    """A leaf that makes autograd record an op on a rank that passes no tensor (scatter's
+    receivers) when the source's input requires grad: the backward is a collective that every
+    rank must run."""
     if not required or (x is not None and x.requires_grad):
         return None
     return torch.empty(0, device=device if x is None else x.device, requires_grad=True)
 
 
-def check_grad_dtype(desc: str, op: str, dtype: torch.dtype | None, required: bool) -> None:
-    if required and dtype is not None and dtype.is_complex and op in ("max", "min"):
+def check_grad_dtype(desc: str, op: str, x: Tensor) -> None:
+    if x.dtype.is_complex and op in ("max", "min") and x.requires_grad:
         raise UnsupportedAdjointError(
             f"{desc}: op={op!r} has no gradient for complex tensors (complex numbers are not "
             "ordered)"

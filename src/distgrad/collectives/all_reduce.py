@@ -3,7 +3,7 @@
 * avg is sum, then a division by the group size (autograd divides the gradient too);
 * prod, max and min are a reduce_scatter with that op followed by an all_gather: the forward
   moves what a ring all_reduce moves, and the gradient is the composition of the two adjoints,
-  so ties and zeros follow ``torch.amax``/``torch.amin``/``torch.prod`` exactly.
+  with the local reduction's own rule in the middle (``_extremes``).
 """
 
 from __future__ import annotations
@@ -15,13 +15,20 @@ import torch
 from torch import Tensor
 from torch.autograd.function import FunctionCtx
 
-from distgrad import _comm
+from distgrad import _ops
 from distgrad._group import Group, ProcessGroup, resolve
 from distgrad.collectives import _common as c
 from distgrad.collectives._debug import check_backward_order, check_replicated
+from distgrad.collectives._signature import Choice, Signature
 from distgrad.collectives.all_gather import apply_all_gather, apply_reduce_scatter
 
 __all__ = ["all_reduce", "apply_all_reduce"]
+
+SIGNATURE = Signature(
+    "all_reduce",
+    fields=(Choice("op", c.REDUCE_OPS), Choice("objective", c.OBJECTIVES)),
+    shapes="equal",
+)
 
 
 @dataclass(frozen=True)
@@ -32,37 +39,35 @@ class _Plan:
 
 class _AllReduceSum(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: FunctionCtx, x: Tensor, plan: _Plan, anchor: Tensor | None) -> Tensor:
+    def forward(ctx: FunctionCtx, x: Tensor, plan: _Plan) -> Tensor:
         ctx.plan = plan  # type: ignore[attr-defined]
-        return c.output(_comm.all_reduce(x, "sum", plan.group))
+        return c.output(_ops.all_reduce(x, "sum", plan.group))
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None]:
         plan: _Plan = ctx.plan
-        check_backward_order("all_reduce", plan.group, grad)
+        check_backward_order("all_reduce", plan.group)
         if plan.objective == "replicated":
             # One shared loss: d loss / d x_r is the incoming gradient itself.
             check_replicated("all_reduce", plan.group, grad)
             back = grad
         else:
-            back = c.apply(_AllReduceSum, grad, plan, None)
-        return (back if ctx.needs_input_grad[0] else None), None, None
+            back = c.apply(_AllReduceSum, grad, plan)
+        return (back if ctx.needs_input_grad[0] else None), None
 
 
-def apply_all_reduce(
-    x: Tensor, group: Group, op: str, objective: c.Objective, required: bool
-) -> Tensor:
-    """all_reduce without the handshake, for ops built on it (their arguments are checked)."""
+def apply_all_reduce(x: Tensor, group: Group, op: str, objective: c.Objective = "sum") -> Tensor:
+    """all_reduce without the checks, for ops built on it (their arguments are checked)."""
     if group.size == 1:
         return x.clone()
     if op == "avg":
-        return apply_all_reduce(x, group, "sum", objective, required) / group.size
+        return apply_all_reduce(x, group, "sum", objective) / group.size
     if op == "sum":
-        return c.apply(_AllReduceSum, x, _Plan(group, objective), c.anchor(x, required))
+        return c.apply(_AllReduceSum, x, _Plan(group, objective))
     flat = x.reshape(-1)
     sizes = tuple(c.near_even(flat.numel(), group.size))
-    part = apply_reduce_scatter(flat, group, sizes, 0, op, required)
-    return apply_all_gather(part, group, sizes, 0, objective, required).view(x.shape)
+    part = apply_reduce_scatter(flat, group, sizes, 0, op)
+    return apply_all_gather(part, group, sizes, 0, objective).view(x.shape)
 
 
 def all_reduce(
@@ -74,15 +79,16 @@ def all_reduce(
 ) -> Tensor:
     """Reduce ``x`` elementwise over the ranks of ``group`` with ``op``; every rank gets the result.
 
-    ``op`` is one of "sum", "avg", "prod", "max", "min". Every rank passes a tensor of the same
-    shape, dtype and device type. ``x`` is not modified.
+    ``op`` is one of "sum", "avg", "prod", "max", "min", or the matching
+    ``torch.distributed.ReduceOp``. Every rank passes a tensor of the same shape, dtype and
+    device type. ``x`` is not modified.
 
     Gradient with ``objective="sum"`` (the objective is the sum over ranks of each rank's loss):
 
     * sum: ``all_reduce(grad, "sum")``; avg: the same divided by the group size;
     * prod: the summed incoming gradient times the product of the *other* ranks' entries,
-      computed without division, so it is exact when entries are zero (a single zero entry gets
-      the product of the others; with two or more zeros every gradient is zero);
+      computed as prefix and suffix products, never by division, so it is exact when entries
+      are zero, infinite, or when the full product over- or underflows;
     * max, min: the summed incoming gradient goes to the ranks that hold the extreme value,
       split evenly among ties, exactly as autograd of ``torch.stack(inputs).amax(0)`` does.
 
@@ -91,27 +97,14 @@ def all_reduce(
     unchanged, with no communication).
 
     Communication: forward 1 all_reduce of x (sum, avg) or 1 all_to_all plus 1 all_gather of x
-    (prod, max, min), after a small metadata handshake; backward 1 all_reduce (sum, avg; none when
-    replicated) or 1 all_to_all plus 1 all_to_all-based reduce-scatter (prod, max, min).
+    (prod, max, min); backward 1 all_reduce (sum, avg; none when replicated) or 1 all_to_all
+    plus 1 all_to_all-based reduce-scatter (prod, max, min). No metadata once the first calls
+    on the group are checked (docs/semantics.md).
     """
-    g = resolve(group)
-    desc = f"all_reduce(op={op!r})"
-    problem = c.op_problem(op) or c.objective_problem(objective)
-    op_code = c.REDUCE_OPS.index(op) if op in c.REDUCE_OPS else 0
-    obj_code = c.OBJECTIVES.index(objective) if objective in c.OBJECTIVES else 0
-    calls = c.handshake(
-        "all_reduce",
-        desc,
-        g,
-        x,
-        [
-            c.Arg("op", op_code, lambda i: c.REDUCE_OPS[i]),
-            c.Arg("objective", obj_code, lambda i: c.OBJECTIVES[i]),
-        ],
-        problem,
-    )
-    g = c.at_call(g, calls)
-    c.check_shapes_equal(desc, g, calls)
-    required = c.needs_grad(calls)
-    c.check_grad_dtype(desc, op, x.dtype, required)
-    return apply_all_reduce(x, g, op, objective, required)
+    g = resolve(group, "all_reduce")
+    name = c.op_name(op)
+    desc = f"all_reduce(op={name!r})"
+    problem = c.op_problem(name) or c.objective_problem(objective)
+    g, _ = SIGNATURE.check(g, desc, x, {"op": name, "objective": objective}, problem=problem)
+    c.check_grad_dtype(desc, name, x)
+    return apply_all_reduce(x, g, name, objective)

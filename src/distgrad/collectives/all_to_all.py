@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -9,13 +10,23 @@ import torch
 from torch import Tensor
 from torch.autograd.function import FunctionCtx
 
-from distgrad import _comm
+from distgrad import _ops
 from distgrad._group import Group, ProcessGroup, resolve
+from distgrad._meta import RankCall
 from distgrad.collectives import _common as c
 from distgrad.collectives._debug import check_backward_order
+from distgrad.collectives._signature import Signature
 from distgrad.errors import CollectiveMismatchError
 
 __all__ = ["all_to_all", "apply_all_to_all"]
+
+SIGNATURE = Signature(
+    "all_to_all",
+    fields=("dim",),
+    lists=("input_sizes", "output_sizes"),
+    shapes="except_dim",
+    known_by="output_sizes",
+)
 
 
 @dataclass(frozen=True)
@@ -31,18 +42,18 @@ class _Plan:
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: FunctionCtx, x: Tensor, plan: _Plan, anchor: Tensor | None) -> Tensor:
+    def forward(ctx: FunctionCtx, x: Tensor, plan: _Plan) -> Tensor:
         ctx.plan = plan  # type: ignore[attr-defined]
         moved = c.to_front(x, plan.dim)
-        out = _comm.all_to_all(moved, plan.input_sizes, plan.output_sizes, plan.group)
+        out = _ops.all_to_all(moved, plan.input_sizes, plan.output_sizes, plan.group)
         return c.output(c.from_front(out, plan.dim))
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None]:
         plan: _Plan = ctx.plan
-        check_backward_order("all_to_all", plan.group, grad)
-        back = c.apply(_AllToAll, grad, plan.swapped(), None)
-        return (back if ctx.needs_input_grad[0] else None), None, None
+        check_backward_order("all_to_all", plan.group)
+        back = c.apply(_AllToAll, grad, plan.swapped())
+        return (back if ctx.needs_input_grad[0] else None), None
 
 
 def apply_all_to_all(
@@ -51,13 +62,11 @@ def apply_all_to_all(
     input_sizes: tuple[int, ...],
     output_sizes: tuple[int, ...],
     dim: int,
-    required: bool,
 ) -> Tensor:
-    """all_to_all without the handshake, for ops built on it (their arguments are checked)."""
+    """all_to_all without the checks, for ops built on it (their arguments are checked)."""
     if group.size == 1:
         return x.clone()
-    plan = _Plan(group, input_sizes, output_sizes, dim)
-    return c.apply(_AllToAll, x, plan, c.anchor(x, required))
+    return c.apply(_AllToAll, x, _Plan(group, input_sizes, output_sizes, dim))
 
 
 def all_to_all(
@@ -65,65 +74,70 @@ def all_to_all(
     group: ProcessGroup | None = None,
     *,
     dim: int = 0,
-    input_sizes: list[int] | tuple[int, ...] | None = None,
-    output_sizes: list[int] | tuple[int, ...] | None = None,
+    input_sizes: Sequence[int] | None = None,
+    output_sizes: Sequence[int] | None = None,
 ) -> Tensor:
     """Split ``x`` along ``dim`` into one part per rank, send part i to rank i, concatenate what
     arrives, in rank order.
 
     ``input_sizes[i]`` is the length of the part sent to rank i (default: an even split, which
     requires ``x.shape[dim]`` to divide by the group size). ``output_sizes[i]`` is the length
-    received from rank i; it is learned from the other ranks when not given, and checked against
-    them when given. Other dims, dtype and device type must match across ranks. ``x`` is not
+    received from rank i. With neither given, every rank splits evenly and receives as much as
+    it sends, as ``torch.distributed.all_to_all_single`` does: every rank passes the same
+    shape. With ``input_sizes`` alone, the ranks first exchange their sizes (one small
+    all_gather and a host synchronisation); pass ``output_sizes`` too and the call sends nothing
+    but the data. Other dims, dtype and device type must match across ranks. ``x`` is not
     modified.
 
     Gradient (the objective is the sum over ranks of each rank's loss): ``all_to_all`` of the
     gradient with ``input_sizes`` and ``output_sizes`` swapped: every slice goes back to the rank
     that sent it.
 
-    Communication: forward 1 all_to_all of x after a small metadata handshake and one all_gather
-    of 2N ints (every rank's sizes); backward 1 all_to_all of the gradient.
+    Communication: forward 1 all_to_all of x, plus the size exchange when ``output_sizes`` must
+    be learned; backward 1 all_to_all of the gradient.
     """
-    g = resolve(group)
+    g = resolve(group, "all_to_all")
     desc = f"all_to_all(dim={dim})"
-    dim, problem = c.normalize_dim(dim, x.dim())
-    total = x.shape[dim] if x.dim() else 0
-    sent, size_problem = c.split_sizes("input_sizes", input_sizes, total, g.size)
+    dim, problem = c.normalize_dim(dim, c.ndim_of(x))
+    sent, size_problem = c.split_sizes("input_sizes", input_sizes, c.extent(x, dim), g.size)
     problem = problem or size_problem
     if problem is None and output_sizes is not None:
-        problem = _output_sizes_problem(output_sizes, g.size)
-    calls = c.handshake("all_to_all", desc, g, x, [c.Arg("dim", dim)], problem)
-    g = c.at_call(g, calls)
-    c.check_shapes_except(desc, g, calls, dim)
-    received = _exchange_sizes(desc, g, sent, output_sizes)
-    return apply_all_to_all(x, g, sent, received, dim, c.needs_grad(calls))
+        problem = c.sizes_problem("output_sizes", output_sizes, g.size)
+    even = input_sizes is None and output_sizes is None
+    expected = sent if even else (tuple(output_sizes) if output_sizes is not None else None)
+    g, calls = SIGNATURE.check(
+        g,
+        desc,
+        x,
+        {"dim": dim},
+        {"input_sizes": sent, "output_sizes": expected},
+        problem,
+        dim=dim,
+        sizes_known=expected is not None,
+    )
+    if calls is not None:
+        expected = _check_table(desc, g, calls)
+    assert expected is not None
+    return apply_all_to_all(x, g, sent, expected, dim)
 
 
-def _output_sizes_problem(sizes: list[int] | tuple[int, ...], parts: int) -> str | None:
-    if len(sizes) != parts or any(not isinstance(s, int) or s < 0 for s in sizes):
-        return f"output_sizes must be {parts} non-negative ints (one per rank), got {list(sizes)}"
-    return None
+def _check_table(desc: str, group: Group, calls: list[RankCall]) -> tuple[int, ...]:
+    """What this rank receives from each rank; every rank checks every rank's expectation.
 
-
-def _exchange_sizes(
-    desc: str,
-    group: Group,
-    sent: tuple[int, ...],
-    expected: list[int] | tuple[int, ...] | None,
-) -> tuple[int, ...]:
-    """What this rank receives from each rank; every rank checks every rank's expectation."""
-    if group.size == 1:
-        return sent
+    ``calls[s].lists``: what rank s sends to each rank, and what it expects from each (None:
+    it learns that here).
+    """
     n = group.size
-    mine = list(sent) + (list(expected) if expected is not None else [-1] * n)
-    table = _comm.share(mine, group)
-    # table[s][:n] = what rank s sends to each rank; table[r][n:] = what rank r expects.
     for r in range(n):
+        expects = calls[r].lists[1]
         for s in range(n):
-            want, got = table[r][n + s], table[s][r]
-            if want >= 0 and want != got:
+            sends = calls[s].lists[0]
+            assert sends is not None
+            if expects is not None and expects[s] != sends[r]:
                 raise CollectiveMismatchError(
-                    f"{desc} on rank {group.rank}: rank {r} expects {want} entries from rank "
-                    f"{s} (output_sizes[{s}]), but rank {s} sends {got} (input_sizes[{r}])"
+                    f"{desc} on rank {group.rank}: rank {r} expects {expects[s]} entries from "
+                    f"rank {s} (output_sizes[{s}]; with neither size list given, a rank "
+                    f"expects the even split of its own x), but rank {s} sends {sends[r]} "
+                    f"(input_sizes[{r}])"
                 )
-    return tuple(table[s][group.rank] for s in range(n))
+    return tuple(sends[group.rank] for sends in (c.lists[0] for c in calls) if sends is not None)

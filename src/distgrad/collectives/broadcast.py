@@ -12,14 +12,20 @@ import torch
 from torch import Tensor
 from torch.autograd.function import FunctionCtx
 
-from distgrad import _comm
+from distgrad import _ops
 from distgrad._group import Group, ProcessGroup, resolve
 from distgrad.collectives import _common as c
 from distgrad.collectives._debug import check_backward_order, check_replicated
+from distgrad.collectives._signature import Choice, Signature
 from distgrad.collectives.all_gather import apply_reduce_scatter
 from distgrad.collectives.gather import apply_gather
 
 __all__ = ["broadcast", "reduce"]
+
+BROADCAST = Signature(
+    "broadcast", fields=("src", Choice("objective", c.OBJECTIVES)), shapes="equal"
+)
+REDUCE = Signature("reduce", fields=("dst", Choice("op", c.REDUCE_OPS)), shapes="equal")
 
 
 @dataclass(frozen=True)
@@ -31,14 +37,14 @@ class _Plan:
 
 class _Broadcast(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: FunctionCtx, x: Tensor, plan: _Plan, anchor: Tensor | None) -> Tensor:
+    def forward(ctx: FunctionCtx, x: Tensor, plan: _Plan) -> Tensor:
         ctx.plan = plan  # type: ignore[attr-defined]
-        return c.output(_comm.broadcast(x, plan.root, plan.group))
+        return c.output(_ops.broadcast(x, plan.root, plan.group))
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None]:
         plan: _Plan = ctx.plan
-        check_backward_order("broadcast", plan.group, grad)
+        check_backward_order("broadcast", plan.group)
         if plan.objective == "replicated":
             # One shared loss: the source's input gets the incoming gradient, nobody sums.
             check_replicated("broadcast", plan.group, grad)
@@ -46,24 +52,23 @@ class _Broadcast(torch.autograd.Function):
         else:
             # Non-source ranks get _ReduceSum's constant zeros: the right value, and connected to
             # the graph, so a double backward takes them through the broadcast it starts.
-            back = c.apply(_ReduceSum, grad, _Plan(plan.group, plan.root), None)
-        return (back if ctx.needs_input_grad[0] else None), None, None
+            back = c.apply(_ReduceSum, grad, _Plan(plan.group, plan.root))
+        return (back if ctx.needs_input_grad[0] else None), None
 
 
 class _ReduceSum(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: FunctionCtx, x: Tensor, plan: _Plan, anchor: Tensor | None) -> Tensor:
+    def forward(ctx: FunctionCtx, x: Tensor, plan: _Plan) -> Tensor:
         ctx.plan = plan  # type: ignore[attr-defined]
-        out = _comm.reduce(x, plan.root, plan.group)
         # Other ranks get a constant zero tensor: its gradient is zero and is never read.
-        return c.output(out) if out is not None else torch.zeros_like(x)
+        return c.output(_ops.reduce(x, plan.root, plan.group))
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None]:
         plan: _Plan = ctx.plan
-        check_backward_order("reduce", plan.group, grad)
-        back = c.apply(_Broadcast, grad, plan, None)
-        return (back if ctx.needs_input_grad[0] else None), None, None
+        check_backward_order("reduce", plan.group)
+        back = c.apply(_Broadcast, grad, plan)
+        return (back if ctx.needs_input_grad[0] else None), None
 
 
 def broadcast(
@@ -76,7 +81,8 @@ def broadcast(
     """Every rank gets a copy of group rank ``src``'s ``x``.
 
     Every rank passes a tensor of the same shape, dtype and device type; only ``src``'s values
-    are read. ``src`` is a rank within ``group``. ``x`` is not modified.
+    are read. ``src`` is a rank within ``group`` (torch.distributed's ``group_src``, not its
+    global ``src``). ``x`` is not modified.
 
     Gradient with ``objective="sum"`` (the objective is the sum over ranks of each rank's loss):
     ``reduce(grad, dst=src, op="sum")``: the source's ``x`` gets the sum of every rank's incoming
@@ -84,30 +90,16 @@ def broadcast(
     ``objective="replicated"`` (every rank computes the same loss, counted once) the source keeps
     its own incoming gradient, with no communication.
 
-    Communication: forward 1 broadcast of x after a small metadata handshake; backward 1 reduce
-    (none when replicated).
+    Communication: forward 1 broadcast of x; backward 1 reduce (none when replicated). No
+    metadata once the first calls on the group are checked.
     """
-    g = resolve(group)
+    g = resolve(group, "broadcast")
     desc = f"broadcast(src={src})"
     problem = c.rank_problem("src", src, g.size) or c.objective_problem(objective)
-    obj_code = c.OBJECTIVES.index(objective) if objective in c.OBJECTIVES else 0
-    calls = c.handshake(
-        "broadcast",
-        desc,
-        g,
-        x,
-        [
-            c.Arg("src", src if problem is None else -1),
-            c.Arg("objective", obj_code, lambda i: c.OBJECTIVES[i]),
-        ],
-        problem,
-    )
-    g = c.at_call(g, calls)
-    c.check_shapes_equal(desc, g, calls)
+    g, _ = BROADCAST.check(g, desc, x, {"src": src, "objective": objective}, problem=problem)
     if g.size == 1:
         return x.clone()
-    plan = _Plan(g, src, objective)
-    return c.apply(_Broadcast, x, plan, c.anchor(x, c.needs_grad(calls)))
+    return c.apply(_Broadcast, x, _Plan(g, src, objective))
 
 
 def reduce(
@@ -120,9 +112,10 @@ def reduce(
 
     Returns the result on ``dst`` and, on every other rank, a tensor of zeros of the same shape
     (a constant: nothing flows back through it). ``op`` is one of "sum", "avg", "prod", "max",
-    "min". Every rank passes a tensor of the same shape, dtype and device type. ``x`` is not
-    modified. Every rank must still back-propagate through its result (the zeros included), since
-    the backward is a collective.
+    "min", or the matching ``torch.distributed.ReduceOp``. Every rank passes a tensor of the
+    same shape, dtype and device type. ``dst`` is a rank within ``group`` (torch.distributed's
+    ``group_dst``). ``x`` is not modified. Every rank must still back-propagate through its
+    result (the zeros included), since the backward is a collective.
 
     Gradient (the objective is the sum over ranks of each rank's loss): sum:
     ``broadcast(grad, src=dst)``, so every rank's ``x`` gets ``dst``'s incoming gradient; avg: the
@@ -130,43 +123,30 @@ def reduce(
     incoming gradient (the product of the other ranks' entries; the extreme value's holders,
     split evenly among ties).
 
-    Communication: forward 1 reduce (sum, avg) or 1 all_to_all plus 1 gather (prod, max, min),
-    after a small metadata handshake; backward 1 broadcast (sum, avg) or 1 scatter plus 1
-    all_to_all (prod, max, min).
+    Communication: forward 1 reduce (sum, avg) or 1 all_to_all plus 1 gather (prod, max, min);
+    backward 1 broadcast (sum, avg) or 1 scatter plus 1 all_to_all (prod, max, min). No metadata
+    once the first calls on the group are checked.
     """
-    g = resolve(group)
+    g = resolve(group, "reduce")
+    name = c.op_name(op)
     desc = f"reduce(dst={dst}, op={op!r})"
-    problem = c.rank_problem("dst", dst, g.size) or c.op_problem(op)
-    op_code = c.REDUCE_OPS.index(op) if op in c.REDUCE_OPS else 0
-    calls = c.handshake(
-        "reduce",
-        desc,
-        g,
-        x,
-        [
-            c.Arg("dst", dst if problem is None else -1),
-            c.Arg("op", op_code, lambda i: c.REDUCE_OPS[i]),
-        ],
-        problem,
-    )
-    g = c.at_call(g, calls)
-    c.check_shapes_equal(desc, g, calls)
-    required = c.needs_grad(calls)
-    c.check_grad_dtype(desc, op, x.dtype, required)
+    problem = c.rank_problem("dst", dst, g.size) or c.op_problem(name)
+    g, _ = REDUCE.check(g, desc, x, {"dst": dst, "op": name}, problem=problem)
+    c.check_grad_dtype(desc, name, x)
     if g.size == 1:
         return x.clone()
-    return _apply_reduce(x, g, dst, op, required)
+    return _apply_reduce(x, g, dst, name)
 
 
-def _apply_reduce(x: Tensor, group: Group, dst: int, op: str, required: bool) -> Tensor:
+def _apply_reduce(x: Tensor, group: Group, dst: int, op: str) -> Tensor:
     if op == "avg":
-        return _apply_reduce(x, group, dst, "sum", required) / group.size
+        return _apply_reduce(x, group, dst, "sum") / group.size
     if op == "sum":
-        return c.apply(_ReduceSum, x, _Plan(group, dst), c.anchor(x, required))
+        return c.apply(_ReduceSum, x, _Plan(group, dst))
     flat = x.reshape(-1)
     sizes = tuple(c.near_even(flat.numel(), group.size))
-    part = apply_reduce_scatter(flat, group, sizes, 0, op, required)
-    gathered = apply_gather(part, group, sizes, 0, dst, required)
+    part = apply_reduce_scatter(flat, group, sizes, 0, op)
+    gathered = apply_gather(part, group, sizes, 0, dst)
     if group.rank == dst:
         return gathered.view(x.shape)
     # ``gathered`` is empty here; adding its (zero) sum keeps this rank's output connected to

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,13 +13,24 @@ import torch
 from torch import Tensor
 from torch.autograd.function import FunctionCtx
 
-from distgrad import _comm
+from distgrad import _comm, _ops
 from distgrad._group import Group, ProcessGroup, resolve
+from distgrad._meta import RankCall
 from distgrad.collectives import _common as c
 from distgrad.collectives._debug import check_backward_order
+from distgrad.collectives._signature import Signature, sizes_from
 from distgrad.errors import CollectiveMismatchError
 
 __all__ = ["apply_gather", "gather", "scatter"]
+
+GATHER = Signature(
+    "gather", fields=("dst", "dim"), lists=("sizes",), same_lists=("sizes",), shapes="except_dim"
+)
+# Only the source and the receivers that pass a tensor like their part have a tensor; their
+# shapes agree outside dim. The receivers' sizes are checked against the source's below.
+SCATTER = Signature(
+    "scatter", fields=("src", "dim"), lists=("sizes",), shapes="except_dim", tensor_on="some"
+)
 
 
 @dataclass(frozen=True)
@@ -34,22 +46,19 @@ class _Plan:
 
 class _Gather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: FunctionCtx, x: Tensor, plan: _Plan, anchor: Tensor | None) -> Tensor:
+    def forward(ctx: FunctionCtx, x: Tensor, plan: _Plan) -> Tensor:
         ctx.plan = plan  # type: ignore[attr-defined]
-        moved = c.to_front(x, plan.dim)
-        out = _comm.gather(moved, plan.sizes, plan.root, plan.group)
-        if out is None:  # not the destination: an empty slice along dim
-            out = moved.new_empty((0, *moved.shape[1:]))
-        return c.output(c.from_front(out, plan.dim))
+        out = _ops.gather(c.to_front(x, plan.dim), plan.sizes, plan.root, plan.group)
+        return c.output(c.from_front(out, plan.dim))  # not the destination: 0 rows along dim
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None]:
         plan: _Plan = ctx.plan
         check_backward_order("gather", plan.group)
         # Other ranks' (empty) gradient is not read by the scatter, but passing it keeps their
         # result connected to it, so a double backward takes every rank through the gather.
         back = c.apply(_Scatter, grad, plan, None)
-        return (back if ctx.needs_input_grad[0] else None), None, None
+        return (back if ctx.needs_input_grad[0] else None), None
 
 
 class _Scatter(torch.autograd.Function):
@@ -57,7 +66,7 @@ class _Scatter(torch.autograd.Function):
     def forward(ctx: FunctionCtx, x: Tensor | None, plan: _Plan, anchor: Tensor | None) -> Tensor:
         ctx.plan = plan  # type: ignore[attr-defined]
         moved = c.to_front(x, plan.dim) if x is not None else None
-        out = _comm.scatter(
+        out = _ops.scatter(
             moved, plan.sizes, plan.root, plan.trailing, plan.dtype, plan.device, plan.group
         )
         return c.output(c.from_front(out, plan.dim))
@@ -66,27 +75,34 @@ class _Scatter(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None]:
         plan: _Plan = ctx.plan
         check_backward_order("scatter", plan.group)
-        full = c.apply(_Gather, grad, plan, None)
+        full = c.apply(_Gather, grad, plan)
         is_root = plan.group.rank == plan.root
         return (full if is_root and ctx.needs_input_grad[0] else None), None, None
 
 
-def apply_gather(
-    x: Tensor, group: Group, sizes: tuple[int, ...], dim: int, dst: int, required: bool
-) -> Tensor:
-    """gather without the handshake, for ops built on it (their arguments are checked)."""
+def apply_gather(x: Tensor, group: Group, sizes: tuple[int, ...], dim: int, dst: int) -> Tensor:
+    """gather without the checks, for ops built on it (their arguments are checked)."""
     if group.size == 1:
         return x.clone()
     trailing = tuple(s for i, s in enumerate(x.shape) if i != dim)
-    plan = _Plan(group, sizes, dim, dst, trailing, x.dtype, x.device)
-    return c.apply(_Gather, x, plan, c.anchor(x, required))
+    return c.apply(_Gather, x, _Plan(group, sizes, dim, dst, trailing, x.dtype, x.device))
 
 
-def gather(x: Tensor, dst: int, group: ProcessGroup | None = None, *, dim: int = 0) -> Tensor:
+def gather(
+    x: Tensor,
+    dst: int,
+    group: ProcessGroup | None = None,
+    *,
+    dim: int = 0,
+    sizes: Sequence[int] | None = None,
+) -> Tensor:
     """Concatenate every rank's ``x`` along ``dim``, in rank order, on group rank ``dst`` only.
 
     Ranks may pass different sizes along ``dim``; all other dims, the dtype and the device type
-    must match. Returns the concatenation on ``dst`` and, on every other rank, an empty tensor
+    must match. ``sizes[i]`` is rank i's extent along ``dim``, the same list on every rank:
+    pass it and the call sends nothing but the data; without it the ranks first exchange their
+    sizes (one small all_gather and a host synchronisation). ``dst`` is a rank within
+    ``group``. Returns the concatenation on ``dst`` and, on every other rank, an empty tensor
     (size 0 along ``dim``). Every rank must still back-propagate through its result, since the
     backward is a collective. ``x`` is not modified.
 
@@ -94,25 +110,30 @@ def gather(x: Tensor, dst: int, group: ProcessGroup | None = None, *, dim: int =
     ``scatter(grad, src=dst, dim=dim, sizes=sizes)``: each rank's ``x`` gets its own slice of
     ``dst``'s incoming gradient.
 
-    Communication: forward 1 gather of x (padded to the largest rank's size when sizes differ)
-    after a small metadata handshake; backward 1 scatter.
+    Communication: forward 1 gather of x (padded to the largest rank's size when sizes differ),
+    plus the size exchange when ``sizes`` is not given; backward 1 scatter.
     """
-    g = resolve(group)
+    g = resolve(group, "gather")
     desc = f"gather(dst={dst}, dim={dim})"
-    dim, problem = c.normalize_dim(dim, x.dim())
+    dim, problem = c.normalize_dim(dim, c.ndim_of(x))
     problem = problem or c.rank_problem("dst", dst, g.size)
-    calls = c.handshake(
-        "gather",
-        desc,
+    if problem is None and sizes is not None:
+        problem = c.sizes_problem("sizes", sizes, g.size)
+        if problem is None and sizes[g.rank] != c.extent(x, dim):
+            problem = f"sizes[{g.rank}] is {sizes[g.rank]}, but x has {c.extent(x, dim)} along dim"
+    g, calls = GATHER.check(
         g,
+        desc,
         x,
-        [c.Arg("dst", dst if problem is None else -1), c.Arg("dim", dim)],
+        {"dst": dst, "dim": dim},
+        {"sizes": sizes},
         problem,
+        dim=dim,
+        sizes_known=sizes is not None,
     )
-    g = c.at_call(g, calls)
-    c.check_shapes_except(desc, g, calls, dim)
-    sizes = tuple(call.shape[dim] for call in calls)
-    return apply_gather(x, g, sizes, dim, dst, c.needs_grad(calls))
+    known = tuple(sizes) if sizes is not None else ()
+    plan_sizes = sizes_from(desc, g, calls, sizes, dim) if calls is not None else known
+    return apply_gather(x, g, plan_sizes, dim, dst)
 
 
 def scatter(
@@ -121,86 +142,104 @@ def scatter(
     group: ProcessGroup | None = None,
     *,
     dim: int = 0,
-    sizes: list[int] | tuple[int, ...] | None = None,
+    sizes: Sequence[int] | None = None,
 ) -> Tensor:
     """Split group rank ``src``'s ``x`` along ``dim`` into one part per rank; rank i gets part i.
 
     On ``src``, ``x`` is the tensor to split and ``sizes[i]`` is rank i's part length (default:
-    an even split, which requires ``x.shape[dim]`` to divide by the group size). On every other
-    rank pass ``x=None`` (a tensor is accepted and ignored) and no ``sizes`` (ignored too): the
-    shape, dtype and sizes come from ``src``. The result is on ``x``'s device on ``src`` and on
-    the group's default device elsewhere (CPU for gloo, the current GPU for NCCL). ``x`` is not
-    modified.
+    an even split, which requires ``x.shape[dim]`` to divide by the group size). Other ranks
+    have two ways to call:
+
+    * ``x=None`` and no ``sizes``: they learn the source's shape, dtype and sizes in one small
+      exchange (all ranks then pass no ``sizes``, the source included);
+    * ``sizes`` (the source's list) and ``x`` a tensor shaped like the part they receive, as
+      torch.distributed.scatter's output tensor: its dtype, device and ``requires_grad`` match
+      the source's. Every rank passes ``sizes`` and the call sends nothing but the data.
+
+    ``src`` is a rank within ``group``. The result is on ``x``'s device (the group's default
+    device when ``x`` is None: CPU for gloo, the current GPU for NCCL). ``x`` is not modified.
 
     Gradient (the objective is the sum over ranks of each rank's loss):
     ``gather(grad, dst=src, dim=dim)``: ``src``'s ``x`` gets every rank's incoming gradient,
     concatenated in rank order.
 
-    Communication: forward 1 scatter after a small metadata handshake (plus 1 broadcast of N ints
-    when ``sizes`` is given); backward 1 gather.
+    Communication: forward 1 scatter, plus the exchange when ``sizes`` is not given; backward 1
+    gather.
     """
-    g = resolve(group)
+    g = resolve(group, "scatter")
     desc = f"scatter(src={src}, dim={dim})"
-    requested_dim = dim  # every rank must pass the same dim; only the source can check it
     problem = c.rank_problem("src", src, g.size)
     is_src = problem is None and g.rank == src
-    mine = x if is_src else None
-    if is_src and problem is None:
+    moved_dim, dim_problem = c.normalize_dim(dim, c.ndim_of(x)) if x is not None else (0, None)
+    problem = problem or dim_problem
+    mine: tuple[int, ...] | None = None
+    if problem is None and is_src:
         if x is None:
             problem = "the source rank must pass the tensor to scatter, got None"
         else:
-            dim, problem = c.normalize_dim(dim, x.dim())
-            if problem is None and sizes is not None:
-                problem = c.split_sizes("sizes", sizes, x.shape[dim], g.size)[1]
-    calls = c.handshake(
-        "scatter",
-        desc,
+            mine, problem = c.split_sizes("sizes", sizes, c.extent(x, moved_dim), g.size)
+    elif problem is None and sizes is not None:
+        problem = c.sizes_problem("sizes", sizes, g.size) or _part_problem(x, sizes, g, moved_dim)
+        mine = tuple(sizes)
+    g, calls = SCATTER.check(
         g,
-        mine,
-        [
-            c.Arg("src", src if problem is None else -1),
-            c.Arg("dim", requested_dim),
-            c.Arg("uneven sizes", int(is_src and sizes is not None), same=False),
-        ],
+        desc,
+        x,
+        {"src": src, "dim": dim},
+        {"sizes": mine},
         problem,
+        dim=moved_dim,
+        sizes_known=sizes is not None,
     )
-    g = c.at_call(g, calls)
-    source = calls[src]
-    dim = dim % len(source.shape)
-    plan_sizes = _agree_sizes(desc, g, src, sizes, bool(source.args[2]), source.shape[dim])
     if g.size == 1:
-        assert x is not None
+        assert isinstance(x, Tensor)
         return x.clone()
-    moved_shape = (source.shape[dim], *(s for i, s in enumerate(source.shape) if i != dim))
-    device = x.device if is_src and x is not None else _comm.metadata_device(g)
-    assert source.dtype is not None
-    plan = _Plan(g, plan_sizes, dim, src, moved_shape[1:], source.dtype, device)
-    return c.apply(_Scatter, mine, plan, c.anchor(mine, source.requires_grad, device))
+    if calls is not None:
+        return _scatter_as_the_source_says(x, g, src, dim, calls, desc)
+    assert mine is not None and isinstance(x, Tensor)
+    trailing = tuple(s for i, s in enumerate(x.shape) if i != moved_dim)
+    plan = _Plan(g, mine, moved_dim, src, trailing, x.dtype, x.device)
+    if is_src:
+        return c.apply(_Scatter, x, plan, None)
+    # A receiver's x only describes its part; its requires_grad says whether the source's does.
+    required = x.requires_grad and torch.is_grad_enabled()
+    return c.apply(_Scatter, None, plan, c.anchor(None, required, x.device))
 
 
-def _agree_sizes(
-    desc: str,
-    group: Group,
-    src: int,
-    sizes: list[int] | tuple[int, ...] | None,
-    uneven: bool,
-    total: int,
-) -> tuple[int, ...]:
-    """The part lengths: an even split, or ``src``'s ``sizes`` sent to every rank."""
-    if uneven:
-        if group.size == 1:
-            assert sizes is not None
-            return tuple(sizes)
-        device = _comm.metadata_device(group)
-        if group.rank == src:
-            assert sizes is not None
-            local = torch.tensor(list(sizes), dtype=torch.int64, device=device)
-        else:
-            local = torch.zeros(group.size, dtype=torch.int64, device=device)
-        return tuple(_comm.broadcast(local, src, group).tolist())
-    if total % group.size:
-        raise CollectiveMismatchError(
-            f"{desc} on rank {group.rank}: the source's x has {total} entries along dim, which "
-            f"does not divide evenly over {group.size} ranks; pass sizes=[...] on the source"
+def _part_problem(x: object, sizes: Sequence[int], g: Group, dim: int) -> str | None:
+    if not isinstance(x, Tensor):
+        return (
+            "a receiving rank that passes sizes must pass x, a tensor shaped like the part it "
+            "receives (its dtype and trailing dims), as torch.distributed.scatter's output "
+            "tensor; or pass neither"
         )
-    return (total // group.size,) * group.size
+    if x.shape[dim] != sizes[g.rank]:
+        return (
+            f"x, the tensor shaped like this rank's part, has {x.shape[dim]} entries along dim "
+            f"{dim}, but sizes[{g.rank}] is {sizes[g.rank]}"
+        )
+    return None
+
+
+def _scatter_as_the_source_says(
+    x: Tensor | None, g: Group, src: int, dim: int, calls: list[RankCall], desc: str
+) -> Tensor:
+    """Scatter with the source's shape, dtype and sizes, learned in the exchange; every rank
+    checks every receiver's sizes against the source's."""
+    source = calls[src]
+    assert source.dtype is not None and source.lists[0] is not None
+    sizes = source.lists[0]
+    for call in calls:
+        if call.lists[0] is not None and call.lists[0] != sizes:
+            raise CollectiveMismatchError(
+                f"{desc} on rank {g.rank}: rank {call.rank} passes sizes {list(call.lists[0])}, "
+                f"but the source (rank {src}) splits into {list(sizes)}"
+            )
+    dim = dim % len(source.shape)
+    trailing = tuple(s for i, s in enumerate(source.shape) if i != dim)
+    is_src = g.rank == src
+    device = x.device if isinstance(x, Tensor) else _comm.metadata_device(g)
+    plan = _Plan(g, sizes, dim, src, trailing, source.dtype, device)
+    mine = x if is_src else None
+    required = source.requires_grad and source.grad_mode
+    return c.apply(_Scatter, mine, plan, c.anchor(mine, required, device))

@@ -10,12 +10,23 @@ import torch
 from torch import Tensor
 from torch.autograd.function import FunctionCtx
 
-from distgrad import _comm
+from distgrad import _ops
 from distgrad._group import Group, ProcessGroup, resolve
+from distgrad._meta import show
 from distgrad.collectives import _common as c
 from distgrad.collectives._debug import check_backward_order
+from distgrad.collectives._signature import Signature
+from distgrad.errors import CollectiveMismatchError
 
 __all__ = ["permute"]
+
+SIGNATURE = Signature(
+    "permute",
+    lists=("perm", "recv_shape"),
+    same_lists=("perm",),
+    shapes="free",
+    known_by="recv_shape",
+)
 
 
 @dataclass(frozen=True)
@@ -34,50 +45,73 @@ class _Plan:
 
 class _Permute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: FunctionCtx, x: Tensor, plan: _Plan, anchor: Tensor | None) -> Tensor:
+    def forward(ctx: FunctionCtx, x: Tensor, plan: _Plan) -> Tensor:
         ctx.plan = plan  # type: ignore[attr-defined]
-        return c.output(_comm.permute(x, plan.perm, plan.recv_shape, plan.group))
+        return c.output(_ops.permute(x, plan.perm, plan.recv_shape, plan.group))
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None]:
         plan: _Plan = ctx.plan
-        check_backward_order("permute", plan.group, grad)
-        back = c.apply(_Permute, grad, plan.inverse(), None)
-        return (back if ctx.needs_input_grad[0] else None), None, None
+        check_backward_order("permute", plan.group)
+        back = c.apply(_Permute, grad, plan.inverse())
+        return (back if ctx.needs_input_grad[0] else None), None
 
 
-def permute(x: Tensor, perm: Sequence[int], group: ProcessGroup | None = None) -> Tensor:
+def permute(
+    x: Tensor,
+    perm: Sequence[int],
+    group: ProcessGroup | None = None,
+    *,
+    recv_shape: Sequence[int] | None = None,
+) -> Tensor:
     """Send ``x`` to group rank ``perm[rank]`` and return what arrives from the rank that maps
     here.
 
     ``perm`` is a permutation of the group ranks 0..size-1, the same on every rank; a ring shift
     is ``[(r + 1) % size for r in range(size)]``. Ranks may send tensors of different shapes
-    (each receives its source's shape); dtype and device type must match. ``x`` is not modified.
+    (each receives its source's shape); dtype and device type must match. ``recv_shape`` is the
+    shape this rank receives: pass it on every rank (``x.shape`` when every rank sends the same
+    shape) and the call sends nothing but the data; without it the ranks first exchange their
+    shapes (one small all_gather and a host synchronisation). ``x`` is not modified.
 
     Gradient (the objective is the sum over ranks of each rank's loss): ``permute`` of the
     gradient with the inverse permutation: every gradient goes back to the rank that sent the
     value.
 
-    Communication: forward 1 send and 1 receive of x per rank, after a small metadata handshake;
-    backward the same with the inverse permutation.
+    Communication: forward 1 send and 1 receive of x per rank, plus the shape exchange when
+    ``recv_shape`` is not given; backward the same with the inverse permutation.
     """
-    g = resolve(group)
+    g = resolve(group, "permute")
     perm = tuple(perm)
     desc = "permute"
     problem = None
     if sorted(perm) != list(range(g.size)) or not all(isinstance(p, int) for p in perm):
         problem = f"perm must be a permutation of the group ranks 0..{g.size - 1}, got {list(perm)}"
-    calls = c.handshake(
-        "permute",
-        desc,
+    wanted = tuple(recv_shape) if recv_shape is not None else None
+    g, calls = SIGNATURE.check(
         g,
+        desc,
         x,
-        [c.Arg("perm (as a hash)", hash(perm) if problem is None else 0)],
-        problem,
+        lists={"perm": perm, "recv_shape": wanted},
+        problem=problem,
+        sizes_known=wanted is not None,
     )
-    g = c.at_call(g, calls)
     if g.size == 1:
         return x.clone()
     source = perm.index(g.rank)
-    plan = _Plan(g, perm, calls[source].shape, tuple(x.shape))
-    return c.apply(_Permute, x, plan, c.anchor(x, c.needs_grad(calls)))
+    if calls is not None:
+        for call in calls:
+            _check_recv_shape(desc, g, call.rank, call.lists[1], calls[perm.index(call.rank)].shape)
+        wanted = calls[source].shape
+    assert wanted is not None
+    return c.apply(_Permute, x, _Plan(g, perm, wanted, tuple(x.shape)))
+
+
+def _check_recv_shape(
+    desc: str, g: Group, rank: int, wanted: tuple[int, ...] | None, sent: tuple[int, ...]
+) -> None:
+    if wanted is not None and wanted != sent:
+        raise CollectiveMismatchError(
+            f"{desc} on rank {g.rank}: rank {rank} expects to receive shape {show(wanted)} "
+            f"(recv_shape), but its source sends {show(sent)}"
+        )

@@ -1,4 +1,4 @@
-"""What the gather-based losses share: global offsets, and the value/gradient contract.
+"""What the losses share: their checks across ranks, the batch sizes, and the value contract.
 
 Contract (docs/losses.md): every rank gets the **global** mean loss as the value, and a
 gradient equal to world_size times the gradient of its own share of that mean. The shares add
@@ -9,36 +9,55 @@ with no scaling by the user. (Summing gradients by hand instead: divide the loss
 
 from __future__ import annotations
 
-import torch
-import torch.distributed as dist
+from collections.abc import Sequence
+
 from torch import Tensor
 
-from distgrad import _comm
-from distgrad._group import ProcessGroup, resolve
-from distgrad.collectives.all_gather import all_gather
+from distgrad import _ops
+from distgrad._group import Group, ProcessGroup, resolve
+from distgrad.collectives._signature import Signature, sizes_from
 
-__all__ = ["global_mean", "row_offset"]
+__all__ = ["batch_sizes", "global_mean"]
 
-
-def row_offset(rows: int, group: ProcessGroup | None) -> tuple[int, int]:
-    """(this rank's first row in the gathered batch, the global row count)."""
-    sizes = all_gather(torch.tensor([rows], dtype=torch.int64, device=_device(group)), group)
-    rank = resolve(group).rank
-    return int(sizes[:rank].sum()), int(sizes.sum())
-
-
-def _device(group: ProcessGroup | None) -> torch.device:
-    return _comm.metadata_device(resolve(group))
+# One signature per loss: the ranks' rows may differ, the embedding dim may not; ``sizes``
+# (every rank's rows), when given, is the same list on every rank.
+_SIGNATURES = {
+    name: Signature(name, lists=("sizes",), same_lists=("sizes",), shapes="except_dim")
+    for name in ("info_nce", "clip_loss", "nt_xent", "siglip_loss", "barlow_twins")
+}
 
 
-def global_mean(local_sum: Tensor, count: int, group: ProcessGroup | None) -> Tensor:
+def batch_sizes(
+    name: str,
+    x: Tensor,
+    group: ProcessGroup | None,
+    problem: str | None,
+    sizes: Sequence[int] | None = None,
+) -> tuple[Group, tuple[int, ...]]:
+    """Check a loss's call across ranks and return every rank's row count of ``x``.
+
+    ``problem`` is this rank's own complaint about its arguments (raised on every rank when the
+    call is checked across ranks, at once on this rank otherwise). Without ``sizes`` the ranks
+    exchange their row counts (one small all_gather), which also checks the call.
+    """
+    g = resolve(group, name)
+    if problem is None and sizes is not None:
+        if len(sizes) != g.size or any(not isinstance(s, int) or s < 0 for s in sizes):
+            problem = f"sizes must be {g.size} non-negative ints (one per rank), got {list(sizes)}"
+        elif sizes[g.rank] != len(x):
+            problem = f"sizes[{g.rank}] is {sizes[g.rank]}, but this rank has {len(x)} rows"
+    g, calls = _SIGNATURES[name].check(
+        g, name, x, lists={"sizes": sizes}, problem=problem, sizes_known=sizes is not None
+    )
+    if calls is not None:
+        return g, sizes_from(name, g, calls, sizes, 0)
+    assert sizes is not None
+    return g, tuple(sizes)
+
+
+def global_mean(local_sum: Tensor, count: int, group: Group) -> Tensor:
     """The global mean of per-row losses as the value; world_size times the local share's
     gradient as the gradient (see the module docstring)."""
-    g = resolve(group)
-    share = local_sum * (g.size / count)
-    total = _comm.all_reduce(local_sum.detach().reshape(1), "sum", g).reshape(())
+    share = local_sum * (group.size / count)
+    total = _ops.all_reduce(local_sum.detach().reshape(1), "sum", group).reshape(())
     return share + (total / count - share).detach()
-
-
-def world_size(group: ProcessGroup | None) -> int:
-    return resolve(group).size if dist.is_available() else 1

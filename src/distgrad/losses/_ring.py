@@ -41,10 +41,9 @@ from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
 
 from distgrad import _comm
-from distgrad._group import Group, ProcessGroup, resolve
-from distgrad.errors import CollectiveMismatchError
+from distgrad._group import Group
 
-__all__ = ["KINDS", "ring_clip", "ring_reduce", "ring_rows"]
+__all__ = ["KINDS", "ring_clip", "ring_reduce"]
 
 KINDS = ("lse", "softplus")
 
@@ -60,24 +59,6 @@ class _Plan:
     def source(self, step: int) -> int:
         """The rank whose keys this rank holds after ``step`` shifts."""
         return (self.group.rank - step) % self.group.size
-
-
-def ring_rows(desc: str, keys: Tensor, group: ProcessGroup | None) -> tuple[int, ...]:
-    """Every rank's key row count, after checking on every rank that they agree on the dim.
-
-    The check is a function of the gathered [rows, dim] of every rank, so every rank
-    reaches the same verdict and raises the same error: no rank is left waiting in the ring.
-    """
-    g = resolve(group)
-    every = _comm.share([keys.shape[0], keys.shape[1]], g)
-    dims = [row[1] for row in every]
-    if len(set(dims)) > 1:
-        shown = ", ".join(f"rank {r}: {d}" for r, d in enumerate(dims))
-        raise CollectiveMismatchError(
-            f"{desc} on rank {g.rank}: ranks disagree on the embedding dim ({shown}); every "
-            "rank's embeddings must have the same dim"
-        )
-    return tuple(row[0] for row in every)
 
 
 def _shift(x: Tensor, g: Group) -> tuple[Tensor, list[Any]]:
@@ -189,16 +170,16 @@ def ring_reduce(
     scale: Tensor,
     bias: Tensor,
     rows: tuple[int, ...],
-    group: ProcessGroup | None,
+    group: Group,
     *,
     kind: str,
     block: int,
     mask_self: bool = False,
 ) -> Tensor:
     """The per-anchor reduction [n] described in the module docstring; ``rows`` from
-    :func:`ring_rows`, ``scale`` and ``bias`` 0-dim tensors of the anchors' dtype."""
+    the loss's checked batch sizes, ``scale`` and ``bias`` 0-dim tensors of the anchors' dtype."""
     assert kind in KINDS and block >= 1
-    plan = _Plan(resolve(group), rows, block, kind, mask_self)
+    plan = _Plan(group, rows, block, kind, mask_self)
     out: Tensor = _RingReduce.apply(anchors, keys, scale, bias, plan)  # type: ignore[no-untyped-call]
     return out
 
@@ -282,7 +263,7 @@ def ring_clip(
     text: Tensor,
     scale: Tensor,
     rows: tuple[int, ...],
-    group: ProcessGroup | None,
+    group: Group,
     *,
     block: int,
 ) -> tuple[Tensor, Tensor]:
@@ -296,6 +277,6 @@ def ring_clip(
     [n, b] chunks.
     """
     assert block >= 1
-    plan = _Plan(resolve(group), rows, block, "lse", False)
+    plan = _Plan(group, rows, block, "lse", False)
     row, col = _RingClip.apply(image, text, scale, plan)  # type: ignore[no-untyped-call]
     return row, col

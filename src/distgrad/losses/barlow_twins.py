@@ -9,8 +9,9 @@ import torch
 from torch import Tensor
 
 from distgrad._group import ProcessGroup
-from distgrad.collectives.all_reduce import all_reduce
-from distgrad.losses.contrastive import _check, _pair_problem
+from distgrad.collectives.all_reduce import apply_all_reduce
+from distgrad.losses._global import batch_sizes
+from distgrad.losses.contrastive import _pair_problem
 
 __all__ = ["barlow_twins"]
 
@@ -34,22 +35,22 @@ def barlow_twins(
     under the sum contract each rank's gradient is world_size times its part of ``dL/dz``, so
     DistributedDataParallel's averaging gives exactly the single-process gradient.
 
-    Communication: forward 6 all_reduces, of statistics only (a count, two [D] means, two [D]
-    variances, one [D, D] correlation), never of the embeddings; backward the same all_reduces
-    of their gradients. Memory: [B_l, D] and [D, D].
+    Communication: forward 5 all_reduces, of statistics only (two [D] means, two [D]
+    variances, one [D, D] correlation), never of the embeddings, plus the exchange of the
+    ranks' row counts; backward the same all_reduces of their gradients. Memory: [B_l, D] and
+    [D, D].
     """
-    _check("barlow_twins", group, _pair_problem(view1, view2, "view1 and view2"))
-    count = all_reduce(
-        torch.tensor(float(len(view1)), dtype=view1.dtype, device=view1.device), group=group
-    )
+    problem = _pair_problem(view1, view2, "view1 and view2")
+    g, sizes = batch_sizes("barlow_twins", view2, group, problem)
+    count = sum(sizes)
 
     def standardise(z: Tensor) -> Tensor:
-        mean = all_reduce(z.sum(0), group=group) / count
+        mean = apply_all_reduce(z.sum(0), g, "sum") / count
         centred = z - mean
-        var = all_reduce((centred**2).sum(0), group=group) / count
+        var = apply_all_reduce((centred**2).sum(0), g, "sum") / count
         return centred / torch.sqrt(var + eps)
 
-    corr = all_reduce(standardise(view1).T @ standardise(view2), group=group) / count
+    corr = apply_all_reduce(standardise(view1).T @ standardise(view2), g, "sum") / count
     diagonal = corr.diagonal()
     on = (1 - diagonal).pow(2).sum()
     off = corr.pow(2).sum() - diagonal.pow(2).sum()

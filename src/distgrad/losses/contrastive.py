@@ -27,20 +27,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from distgrad._group import ProcessGroup, resolve
-from distgrad._meta import exchange
-from distgrad.collectives.all_gather import all_gather
-from distgrad.losses._global import global_mean, row_offset
-from distgrad.losses._ring import ring_clip, ring_reduce, ring_rows
+from distgrad._group import Group, ProcessGroup
+from distgrad.collectives.all_gather import apply_all_gather
+from distgrad.losses._global import batch_sizes, global_mean
+from distgrad.losses._ring import ring_clip, ring_reduce
 
 __all__ = ["clip_loss", "info_nce", "nt_xent", "siglip_loss"]
 
 Scalar = float | Tensor
-
-
-def _check(desc: str, group: ProcessGroup | None, problem: str | None) -> None:
-    """Raise ``problem`` on every rank (a rank alone would leave its peers waiting)."""
-    exchange("loss", desc, resolve(group), None, problem=problem)
 
 
 def _pair_problem(a: Tensor, b: Tensor, names: str) -> str | None:
@@ -93,15 +87,15 @@ def info_nce(
         or _positive_problem("temperature", temperature)
         or _block_problem(block_size)
     )
-    _check("info_nce", group, problem)
+    g, sizes = batch_sizes("info_nce", key, group, problem)
     q, k = F.normalize(query, dim=1), F.normalize(key, dim=1)
     if block_size is not None:
-        return _ring_info_nce("info_nce", q, k, 1 / _scalar(temperature, q), group, block_size)
-    keys = all_gather(k, group)  # [B, D]
-    offset, total = row_offset(len(q), group)
+        return _ring_info_nce(q, k, 1 / _scalar(temperature, q), g, sizes, block_size)
+    keys = apply_all_gather(k, g, sizes, 0)  # [B, D]
+    offset, total = sum(sizes[: g.rank]), sum(sizes)
     logits = q @ keys.T / temperature  # [B_l, B]; positives at column offset + i
     labels = torch.arange(len(q), device=q.device) + offset
-    return global_mean(F.cross_entropy(logits, labels, reduction="sum"), total, group)
+    return global_mean(F.cross_entropy(logits, labels, reduction="sum"), total, g)
 
 
 def clip_loss(
@@ -125,16 +119,16 @@ def clip_loss(
         or _positive_problem("logit_scale", logit_scale)
         or _block_problem(block_size)
     )
-    _check("clip_loss", group, problem)
+    g, sizes = batch_sizes("clip_loss", text, group, problem)
     x, y = F.normalize(image, dim=1), F.normalize(text, dim=1)
     if block_size is not None:
-        return _ring_clip(x, y, _scalar(logit_scale, x), group, block_size)
-    all_x, all_y = all_gather(x, group), all_gather(y, group)
-    offset, total = row_offset(len(x), group)
+        return _ring_clip(x, y, _scalar(logit_scale, x), g, sizes, block_size)
+    all_x, all_y = apply_all_gather(x, g, sizes, 0), apply_all_gather(y, g, sizes, 0)
+    offset, total = sum(sizes[: g.rank]), sum(sizes)
     labels = torch.arange(len(x), device=x.device) + offset
     per_image = F.cross_entropy(logit_scale * x @ all_y.T, labels, reduction="sum")
     per_text = F.cross_entropy(logit_scale * y @ all_x.T, labels, reduction="sum")
-    return global_mean((per_image + per_text) / 2, total, group)
+    return global_mean((per_image + per_text) / 2, total, g)
 
 
 def nt_xent(
@@ -159,12 +153,12 @@ def nt_xent(
         or _positive_problem("temperature", temperature)
         or _block_problem(block_size)
     )
-    _check("nt_xent", group, problem)
+    g, sizes = batch_sizes("nt_xent", view2, group, problem)
     z1, z2 = F.normalize(view1, dim=1), F.normalize(view2, dim=1)
     if block_size is not None:
-        return _ring_nt_xent(z1, z2, 1 / _scalar(temperature, z1), group, block_size)
-    first, second = all_gather(z1, group), all_gather(z2, group)  # [B, D] each
-    offset, total = row_offset(len(z1), group)
+        return _ring_nt_xent(z1, z2, 1 / _scalar(temperature, z1), g, sizes, block_size)
+    first, second = apply_all_gather(z1, g, sizes, 0), apply_all_gather(z2, g, sizes, 0)
+    offset, total = sum(sizes[: g.rank]), sum(sizes)  # first, second: [B, D] each
     candidates = torch.cat([first, second])  # [2B, D]: all first views, then all second views
     anchors = torch.cat([z1, z2])  # [2 B_l, D]
     logits = anchors @ candidates.T / temperature  # [2 B_l, 2B]
@@ -172,7 +166,7 @@ def nt_xent(
     own = torch.cat([rows, rows + total])
     positive = torch.cat([rows + total, rows])
     logits = logits.masked_fill(F.one_hot(own, 2 * total).bool(), float("-inf"))
-    return global_mean(F.cross_entropy(logits, positive, reduction="sum"), 2 * total, group)
+    return global_mean(F.cross_entropy(logits, positive, reduction="sum"), 2 * total, g)
 
 
 def siglip_loss(
@@ -198,17 +192,17 @@ def siglip_loss(
         or _positive_problem("scale", scale)
         or _block_problem(block_size)
     )
-    _check("siglip_loss", group, problem)
+    g, sizes = batch_sizes("siglip_loss", text, group, problem)
     x, y = F.normalize(image, dim=1), F.normalize(text, dim=1)
     if block_size is not None:
-        return _ring_siglip(x, y, _scalar(scale, x), _scalar(bias, x), group, block_size)
-    all_y = all_gather(y, group)
-    offset, total = row_offset(len(x), group)
+        return _ring_siglip(x, y, _scalar(scale, x), _scalar(bias, x), g, sizes, block_size)
+    all_y = apply_all_gather(y, g, sizes, 0)
+    offset, total = sum(sizes[: g.rank]), sum(sizes)
     logits = scale * x @ all_y.T + bias  # [B_l, B]
     signs = -torch.ones_like(logits)
     rows = torch.arange(len(x), device=x.device)
     signs[rows, rows + offset] = 1.0
-    return global_mean(-F.logsigmoid(signs * logits).sum(), total, group)
+    return global_mean(-F.logsigmoid(signs * logits).sum(), total, g)
 
 
 # The memory-efficient paths: the same losses through distgrad.losses._ring, which never holds
@@ -217,45 +211,44 @@ def siglip_loss(
 
 
 def _ring_info_nce(
-    desc: str, q: Tensor, k: Tensor, scale: Tensor, group: ProcessGroup | None, block: int
+    q: Tensor, k: Tensor, scale: Tensor, g: Group, rows: tuple[int, ...], block: int
 ) -> Tensor:
     """``(1/B) sum_i [logsumexp_j s <q_i, k_j> - s <q_i, k_i>]`` with the keys on a ring."""
-    rows = ring_rows(desc, k, group)
-    lse = ring_reduce(q, k, scale, scale.new_zeros(()), rows, group, kind="lse", block=block)
+    lse = ring_reduce(q, k, scale, scale.new_zeros(()), rows, g, kind="lse", block=block)
     positive = scale * (q * k).sum(1)  # [B_l]: the positive of row i is the local key i
-    return global_mean((lse - positive).sum(), sum(rows), group)
+    return global_mean((lse - positive).sum(), sum(rows), g)
 
 
 def _ring_clip(
-    x: Tensor, y: Tensor, scale: Tensor, group: ProcessGroup | None, block: int
+    x: Tensor, y: Tensor, scale: Tensor, g: Group, rows: tuple[int, ...], block: int
 ) -> Tensor:
     """Both directions from one ring pass: image i's logsumexp over all texts, text j's over
     all images (the columns of the same logits blocks)."""
-    rows = ring_rows("clip_loss", y, group)
-    per_image, per_text = ring_clip(x, y, scale, rows, group, block=block)
+    per_image, per_text = ring_clip(x, y, scale, rows, g, block=block)
     positive = scale * (x * y).sum(1)  # [B_l]: pair i's logit, in both directions
     local = ((per_image - positive).sum() + (per_text - positive).sum()) / 2
-    return global_mean(local, sum(rows), group)
+    return global_mean(local, sum(rows), g)
 
 
 def _ring_nt_xent(
-    z1: Tensor, z2: Tensor, scale: Tensor, group: ProcessGroup | None, block: int
+    z1: Tensor, z2: Tensor, scale: Tensor, g: Group, rows: tuple[int, ...], block: int
 ) -> Tensor:
     """Anchors and keys are both ``[z1; z2]``; the ring leaves out each anchor's own column."""
     both = torch.cat([z1, z2])  # [2 B_l, D]
-    rows = ring_rows("nt_xent", both, group)
+    both_rows = tuple(2 * r for r in rows)
     zero = scale.new_zeros(())
-    lse = ring_reduce(both, both, scale, zero, rows, group, kind="lse", block=block, mask_self=True)
+    lse = ring_reduce(
+        both, both, scale, zero, both_rows, g, kind="lse", block=block, mask_self=True
+    )
     positive = scale * (both * torch.cat([z2, z1])).sum(1)
-    return global_mean((lse - positive).sum(), sum(rows), group)
+    return global_mean((lse - positive).sum(), sum(both_rows), g)
 
 
 def _ring_siglip(
-    x: Tensor, y: Tensor, scale: Tensor, bias: Tensor, group: ProcessGroup | None, block: int
+    x: Tensor, y: Tensor, scale: Tensor, bias: Tensor, g: Group, rows: tuple[int, ...], block: int
 ) -> Tensor:
     """Every pair counted as a negative, ``softplus(l_ij)``, then each positive corrected:
     ``-log sigmoid(l) = softplus(-l) = softplus(l) - l``."""
-    rows = ring_rows("siglip_loss", y, group)
-    negatives = ring_reduce(x, y, scale, bias, rows, group, kind="softplus", block=block)
+    negatives = ring_reduce(x, y, scale, bias, rows, g, kind="softplus", block=block)
     positive = scale * (x * y).sum(1) + bias  # [B_l]: l_ii
-    return global_mean((negatives - positive).sum(), sum(rows), group)
+    return global_mean((negatives - positive).sum(), sum(rows), g)

@@ -1,0 +1,250 @@
+"""Raw communication that ``torch.compile`` can trace: ``_comm`` as ``torch.library`` custom ops.
+
+The differentiable collectives call these functions in forward and backward. In eager mode each
+one calls ``_comm`` directly: a custom op's dispatch costs about 40 us per call, as much as a
+small gloo exchange, and eager speed must not pay for compilation. While ``torch.compile``
+traces, each one emits a ``distgrad::`` custom op instead: an opaque node with a fake kernel
+that gives its output's shape, so the whole step compiles to one graph with no break, and the
+node runs the same ``_comm`` code when the graph runs. The autograd formulas stay where they
+are (the ``autograd.Function`` of each collective, which the compiler traces through): one
+definition of every adjoint for both modes.
+
+Why custom ops rather than torch's functional collectives underneath: those take no uneven
+sizes for all_gather and reduce_scatter, have no gather, scatter or point-to-point, and would
+be a second implementation of every exchange beside the eager one; a custom op runs the very
+code the eager tests check. The process group travels by its registered name (a custom op
+takes no Python objects), as in torch's functional collectives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed.distributed_c10d as c10d
+from torch import Tensor
+
+from distgrad import _comm
+from distgrad._group import Group, resolve
+
+__all__ = [
+    "all_gather",
+    "all_reduce",
+    "all_to_all",
+    "broadcast",
+    "gather",
+    "permute",
+    "reduce",
+    "reduce_scatter",
+    "scatter",
+]
+
+
+def _traced(group: Group) -> bool:
+    """Whether to emit a custom op: while compiling, for a real group (alone is plain torch)."""
+    return group.pg is not None and torch.compiler.is_compiling()
+
+
+def _group(name: str) -> Group:
+    # torch's own registry of groups by name, which its functional collectives use too.
+    found = c10d._resolve_process_group(name)  # type: ignore[attr-defined,arg-type]
+    return resolve(found)
+
+
+def all_gather(x: Tensor, sizes: Sequence[int], group: Group) -> Tensor:
+    if _traced(group):
+        out: Tensor = torch.ops.distgrad.all_gather(x, list(sizes), group.name)
+        return out
+    return _comm.all_gather(x, sizes, group)
+
+
+@torch.library.custom_op("distgrad::all_gather", mutates_args=())
+def _all_gather(x: Tensor, sizes: list[int], group: str) -> Tensor:
+    return _comm.all_gather(x, sizes, _group(group))
+
+
+@_all_gather.register_fake
+def _(x: Tensor, sizes: list[int], group: str) -> Tensor:
+    return x.new_empty((sum(sizes), *x.shape[1:]))
+
+
+def reduce_scatter(x: Tensor, sizes: Sequence[int], group: Group) -> Tensor:
+    if _traced(group):
+        out: Tensor = torch.ops.distgrad.reduce_scatter(x, list(sizes), group.rank, group.name)
+        return out
+    return _comm.reduce_scatter(x, sizes, group)
+
+
+@torch.library.custom_op("distgrad::reduce_scatter", mutates_args=())
+def _reduce_scatter(x: Tensor, sizes: list[int], rank: int, group: str) -> Tensor:
+    return _comm.reduce_scatter(x, sizes, _group(group))
+
+
+@_reduce_scatter.register_fake
+def _(x: Tensor, sizes: list[int], rank: int, group: str) -> Tensor:
+    return x.new_empty((sizes[rank], *x.shape[1:]))
+
+
+def all_to_all(
+    x: Tensor, input_sizes: Sequence[int], output_sizes: Sequence[int], group: Group
+) -> Tensor:
+    if _traced(group):
+        out: Tensor = torch.ops.distgrad.all_to_all(
+            x, list(input_sizes), list(output_sizes), group.name
+        )
+        return out
+    return _comm.all_to_all(x, input_sizes, output_sizes, group)
+
+
+@torch.library.custom_op("distgrad::all_to_all", mutates_args=())
+def _all_to_all(x: Tensor, input_sizes: list[int], output_sizes: list[int], group: str) -> Tensor:
+    return _comm.all_to_all(x, input_sizes, output_sizes, _group(group))
+
+
+@_all_to_all.register_fake
+def _(x: Tensor, input_sizes: list[int], output_sizes: list[int], group: str) -> Tensor:
+    return x.new_empty((sum(output_sizes), *x.shape[1:]))
+
+
+def all_reduce(x: Tensor, op: str, group: Group) -> Tensor:
+    if _traced(group):
+        out: Tensor = torch.ops.distgrad.all_reduce(x, op, group.name)
+        return out
+    return _comm.all_reduce(x, op, group)
+
+
+@torch.library.custom_op("distgrad::all_reduce", mutates_args=())
+def _all_reduce(x: Tensor, op: str, group: str) -> Tensor:
+    return _comm.all_reduce(x, op, _group(group))
+
+
+@_all_reduce.register_fake
+def _(x: Tensor, op: str, group: str) -> Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def broadcast(x: Tensor, src: int, group: Group) -> Tensor:
+    if _traced(group):
+        out: Tensor = torch.ops.distgrad.broadcast(x, src, group.name)
+        return out
+    return _comm.broadcast(x, src, group)
+
+
+@torch.library.custom_op("distgrad::broadcast", mutates_args=())
+def _broadcast(x: Tensor, src: int, group: str) -> Tensor:
+    return _comm.broadcast(x, src, _group(group))
+
+
+@_broadcast.register_fake
+def _(x: Tensor, src: int, group: str) -> Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def reduce(x: Tensor, dst: int, group: Group) -> Tensor:
+    """The sum over ranks on ``dst``; zeros (a constant) on every other rank."""
+    if _traced(group):
+        out: Tensor = torch.ops.distgrad.reduce(x, dst, group.name)
+        return out
+    return _reduce_or_zeros(x, dst, group)
+
+
+def _reduce_or_zeros(x: Tensor, dst: int, group: Group) -> Tensor:
+    out = _comm.reduce(x, dst, group)
+    return out if out is not None else torch.zeros_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("distgrad::reduce", mutates_args=())
+def _reduce(x: Tensor, dst: int, group: str) -> Tensor:
+    return _reduce_or_zeros(x, dst, _group(group))
+
+
+@_reduce.register_fake
+def _(x: Tensor, dst: int, group: str) -> Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def gather(x: Tensor, sizes: Sequence[int], dst: int, group: Group) -> Tensor:
+    """Every rank's ``x`` concatenated on ``dst``; an empty slice (0 rows) on every other rank."""
+    if _traced(group):
+        out: Tensor = torch.ops.distgrad.gather(x, list(sizes), dst, group.rank, group.name)
+        return out
+    return _gather_or_empty(x, sizes, dst, group)
+
+
+def _gather_or_empty(x: Tensor, sizes: Sequence[int], dst: int, group: Group) -> Tensor:
+    out = _comm.gather(x, sizes, dst, group)
+    return out if out is not None else x.new_empty((0, *x.shape[1:]))
+
+
+@torch.library.custom_op("distgrad::gather", mutates_args=())
+def _gather(x: Tensor, sizes: list[int], dst: int, rank: int, group: str) -> Tensor:
+    return _gather_or_empty(x, sizes, dst, _group(group))
+
+
+@_gather.register_fake
+def _(x: Tensor, sizes: list[int], dst: int, rank: int, group: str) -> Tensor:
+    return x.new_empty((sum(sizes) if rank == dst else 0, *x.shape[1:]))
+
+
+def scatter(
+    x: Tensor | None,
+    sizes: Sequence[int],
+    src: int,
+    trailing: Sequence[int],
+    dtype: torch.dtype,
+    device: torch.device,
+    group: Group,
+) -> Tensor:
+    if _traced(group):
+        out: Tensor = torch.ops.distgrad.scatter(
+            x, list(sizes), src, list(trailing), dtype, device, group.rank, group.name
+        )
+        return out
+    return _comm.scatter(x, sizes, src, trailing, dtype, device, group)
+
+
+@torch.library.custom_op("distgrad::scatter", mutates_args=())
+def _scatter(
+    x: Tensor | None,
+    sizes: list[int],
+    src: int,
+    trailing: list[int],
+    dtype: torch.dtype,
+    device: torch.device,
+    rank: int,
+    group: str,
+) -> Tensor:
+    # A slice of the receive buffer would share its storage, which a custom op's output may
+    # not do with anything the caller can see; it is the buffer's only view, so this is cheap.
+    return _comm.scatter(x, sizes, src, trailing, dtype, device, _group(group)).clone()
+
+
+@_scatter.register_fake
+def _(
+    x: Tensor | None,
+    sizes: list[int],
+    src: int,
+    trailing: list[int],
+    dtype: torch.dtype,
+    device: torch.device,
+    rank: int,
+    group: str,
+) -> Tensor:
+    return torch.empty((sizes[rank], *trailing), dtype=dtype, device=device)
+
+
+def permute(x: Tensor, perm: Sequence[int], recv_shape: Sequence[int], group: Group) -> Tensor:
+    if _traced(group):
+        out: Tensor = torch.ops.distgrad.permute(x, list(perm), list(recv_shape), group.name)
+        return out
+    return _comm.permute(x, perm, recv_shape, group)
+
+
+@torch.library.custom_op("distgrad::permute", mutates_args=())
+def _permute(x: Tensor, perm: list[int], recv_shape: list[int], group: str) -> Tensor:
+    return _comm.permute(x, perm, recv_shape, _group(group))
+
+
+@_permute.register_fake
+def _(x: Tensor, perm: list[int], recv_shape: list[int], group: str) -> Tensor:
+    return x.new_empty(recv_shape)

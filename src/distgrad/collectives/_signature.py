@@ -1,0 +1,297 @@
+"""Cross-rank validation, declared once per op and read by one function.
+
+Each op declares a :class:`Signature`: which of its arguments every rank must pass alike, which
+integer lists it carries (``sizes``, ``perm``, ...), and how the ranks' tensor shapes must relate.
+:meth:`Signature.check` then decides whether this call exchanges metadata, and if it does,
+checks every rank's call against the declaration, so every op body is the few lines of its work.
+
+When a call exchanges metadata (``distgrad._meta``):
+
+* the first :data:`CHECKED_CALLS` calls on each group. Every rank counts its own calls, so the
+  ranks agree on which calls these are without asking, and a mistake in the code (a shape, a
+  dtype, an argument that differs between ranks) is the same clear error on every rank at
+  start-up;
+* every call in debug mode (:func:`distgrad.set_debug`, ``DISTGRAD_DEBUG=1`` or
+  ``TORCH_DISTRIBUTED_DEBUG=DETAIL``);
+* a call whose output shape this rank cannot compute from its own arguments (an uneven
+  ``all_gather`` without ``sizes=``, ...): the sizes have to be exchanged anyway, and the same
+  message checks the call for free.
+
+Any other call sends nothing but its data and makes no host synchronisation: the ranks are
+trusted to keep making the calls the checked ones made (same shapes, same arguments, inputs that
+require grad on every rank or on none). Arguments a rank can check alone still raise at once on
+that rank. Inside ``torch.compile`` nothing is exchanged or counted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from distgrad._group import Group
+from distgrad._meta import (
+    RankCall,
+    debug_enabled,
+    dtype_name,
+    exchange,
+    named,
+    require_same,
+    show,
+)
+from distgrad.errors import CollectiveArgumentError, CollectiveMismatchError
+
+__all__ = ["CHECKED_CALLS", "Choice", "Signature", "calls_so_far"]
+
+CHECKED_CALLS = 8
+"""How many calls on each group are checked across ranks outside debug mode."""
+
+# How many distgrad calls this process has made on each group, by the group's id and name (see
+# distgrad._group). Every rank counts the same calls, so the counts name a call alike everywhere.
+_calls: dict[tuple[int, str], int] = {}
+
+
+def calls_so_far(group: Group) -> int:
+    """How many checked-or-not distgrad calls this process has made on ``group``."""
+    return _calls.get((id(group.pg), group.name), 0)
+
+
+def _next_call(group: Group) -> int:
+    key = (id(group.pg), group.name)
+    count = _calls.get(key, 0)
+    _calls[key] = count + 1
+    return count
+
+
+@dataclass(frozen=True)
+class Choice:
+    """An argument that takes one of a few names (``op``, ``objective``)."""
+
+    name: str
+    options: tuple[str, ...]
+
+
+Field = str | Choice
+Shapes = Literal["equal", "except_dim", "free"]
+
+
+@dataclass(frozen=True)
+class Signature:
+    """What must hold across the ranks of one op's call.
+
+    * ``fields``: integer or :class:`Choice` arguments every rank passes alike;
+    * ``lists``: up to two integer lists carried whole, so messages show them (never a hash);
+      those also in ``same_lists`` must be equal on every rank, or absent on every rank;
+    * ``shapes``: ``"equal"`` (same shape everywhere), ``"except_dim"`` (same shape but along
+      ``dim``) or ``"free"``; dtype and device type always match, and so does whether ``x``
+      requires grad (with grad mode on);
+    * ``tensor_on``: ``"every"`` rank passes a tensor, or ``"some"`` (scatter's receivers may not).
+    """
+
+    op: str
+    fields: tuple[Field, ...] = ()
+    lists: tuple[str, ...] = ()
+    same_lists: tuple[str, ...] = ()
+    shapes: Shapes = "equal"
+    tensor_on: Literal["every", "some"] = "every"
+    known_by: str = "sizes"  # the argument that makes the output shape known (messages)
+
+    def __post_init__(self) -> None:
+        named(self.op)  # so that every rank can name this op when a peer calls it
+
+    def check(
+        self,
+        group: Group,
+        desc: str,
+        x: object,
+        values: Mapping[str, int | str] | None = None,
+        lists: Mapping[str, Sequence[int] | None] | None = None,
+        problem: str | None = None,
+        *,
+        dim: int = 0,
+        sizes_known: bool = True,
+    ) -> tuple[Group, list[RankCall] | None]:
+        """Check this call; return the group (marked with the call in debug mode) and, when the
+        call exchanged metadata, every rank's call (sizes come from there when not known).
+
+        ``problem`` is this rank's own complaint about its arguments, if any; ``sizes_known``
+        says whether this rank can compute the output shape without its peers (if not, the
+        call exchanges metadata).
+        """
+        values = values or {}
+        lists = lists or {}
+        problem = problem or _tensor_problem(x, self.tensor_on)
+        if torch.compiler.is_compiling():
+            if problem is not None:
+                raise CollectiveArgumentError(f"{desc} on rank {group.rank}: {problem}")
+            if not sizes_known:
+                _break_for_sizes(desc)
+            return group, None
+        call = _next_call(group)
+        if group.size > 1 and debug_enabled():
+            group = replace(group, call=call)
+        if sizes_known and call >= CHECKED_CALLS and not debug_enabled():
+            if problem is not None:
+                raise CollectiveArgumentError(f"{desc} on rank {group.rank}: {problem}")
+            return group, None
+        tensor = x if isinstance(x, Tensor) else None
+        codes = [_encode_field(f, values[_name(f)]) for f in self.fields] + [int(sizes_known)]
+        carried = [lists.get(name) for name in self.lists]
+        calls = exchange(self.op, desc, group, tensor, codes, carried, problem, call)
+        self._check_calls(desc, group, calls, dim)
+        return group, calls
+
+    def _check_calls(self, desc: str, group: Group, calls: list[RankCall], dim: int) -> None:
+        for i, field in enumerate(self.fields):
+            require_same(
+                desc,
+                group,
+                calls,
+                _name(field),
+                lambda c, i=i, f=field: _shown_field(f, c.args[i]),  # type: ignore[misc]
+                f"every rank must pass the same {_name(field)}",
+            )
+        require_same(
+            desc,
+            group,
+            calls,
+            f"whether {self.known_by} is given",
+            lambda c: "given" if c.args[len(self.fields)] else "not given",
+            f"pass {self.known_by} on every rank, or on none (a rank without it learns the "
+            "sizes from its peers, and that exchange needs every rank)",
+        )
+        for i, name in enumerate(self.lists):
+            if name in self.same_lists:
+                require_same(
+                    desc,
+                    group,
+                    calls,
+                    name,
+                    lambda c, i=i: c.lists[i],  # type: ignore[misc]
+                    f"every rank must pass the same {name}",
+                    shown=lambda c, i=i: _shown_list(c.lists[i]),  # type: ignore[misc]
+                )
+        require_same(
+            desc,
+            group,
+            calls,
+            "grad mode (torch.is_grad_enabled())",
+            lambda c: c.grad_mode,
+            "every rank must call with the same grad mode",
+        )
+        with_tensor = [c for c in calls if c.has_tensor]
+        if not with_tensor:
+            return
+        require_same(
+            desc,
+            group,
+            with_tensor,
+            "dtype",
+            lambda c: dtype_name(c.dtype),
+            "every rank must pass the same dtype",
+        )
+        require_same(
+            desc,
+            group,
+            with_tensor,
+            "device type",
+            lambda c: c.device_type,
+            "every rank must pass tensors on the same kind of device",
+        )
+        if with_tensor[0].grad_mode:
+            require_same(
+                desc,
+                group,
+                with_tensor,
+                "whether x requires grad",
+                lambda c: c.requires_grad,
+                "every rank's x must require grad, or none's: the backward of a collective is "
+                "a collective, which every rank runs or none does",
+            )
+        self._check_shapes(desc, group, with_tensor, dim)
+
+    def _check_shapes(self, desc: str, group: Group, calls: list[RankCall], dim: int) -> None:
+        if self.shapes == "equal":
+            require_same(
+                desc,
+                group,
+                calls,
+                "shape",
+                lambda c: c.shape,
+                "every rank must pass a tensor of the same shape",
+            )
+        elif self.shapes == "except_dim":
+            require_same(
+                desc,
+                group,
+                calls,
+                "number of dims",
+                lambda c: len(c.shape),
+                "every rank must pass a tensor with the same number of dims",
+            )
+            require_same(
+                desc,
+                group,
+                calls,
+                f"the shape outside dim {dim}",
+                lambda c: tuple(s for i, s in enumerate(c.shape) if i != dim),
+                f"all dims except dim {dim} must match",
+                shown=lambda c: c.shape,
+            )
+
+
+def sizes_from(
+    desc: str,
+    group: Group,
+    calls: Sequence[RankCall],
+    given: Sequence[int] | None,
+    dim: int,
+    name: str = "sizes",
+) -> tuple[int, ...]:
+    """Every rank's extent along ``dim``, from the exchanged shapes; checked against ``given``."""
+    actual = tuple(c.shape[dim] for c in calls)
+    if given is not None and tuple(given) != actual:
+        wrong = next(r for r in range(len(actual)) if given[r] != actual[r])
+        raise CollectiveMismatchError(
+            f"{desc} on rank {group.rank}: {name} {list(given)} say rank {wrong} has "
+            f"{given[wrong]} entries along dim {dim}, but its x has {actual[wrong]} (every "
+            f"rank's x: {', '.join(show(c.shape) for c in calls)})"
+        )
+    return actual
+
+
+def _tensor_problem(x: object, tensor_on: str) -> str | None:
+    if isinstance(x, Tensor) or (x is None and tensor_on == "some"):
+        return None
+    return f"x must be a torch.Tensor, got {type(x).__name__}"
+
+
+def _break_for_sizes(desc: str) -> None:
+    torch._dynamo.graph_break(
+        msg=f"distgrad {desc}: sizes unknown inside torch.compile; pass sizes= (every rank's "
+        "extent along dim, e.g. [n] * world_size for even shards) so that no host "
+        "synchronisation is needed"
+    )
+
+
+def _name(field: Field) -> str:
+    return field.name if isinstance(field, Choice) else field
+
+
+def _encode_field(field: Field, value: int | str) -> int:
+    if isinstance(field, Choice):
+        return field.options.index(str(value)) if value in field.options else -1
+    return value if isinstance(value, int) else -1  # an invalid value is a problem already
+
+
+def _shown_field(field: Field, code: int) -> object:
+    if isinstance(field, Choice):
+        return field.options[code] if 0 <= code < len(field.options) else "?"
+    return code
+
+
+def _shown_list(values: tuple[int, ...] | None) -> str:
+    return "not given" if values is None else str(list(values))
