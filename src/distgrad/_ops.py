@@ -248,3 +248,20 @@ def _permute(x: Tensor, perm: list[int], recv_shape: list[int], group: str) -> T
 @_permute.register_fake
 def _(x: Tensor, perm: list[int], recv_shape: list[int], group: str) -> Tensor:
     return x.new_empty(recv_shape)
+
+
+# Every rank must run every exchange, even one whose output this rank does not use (a gather's
+# empty result off the destination): a custom op declares no side effects, so without this the
+# compiler would remove it there and leave the other ranks waiting.
+for _op in (
+    torch.ops.distgrad.all_gather,
+    torch.ops.distgrad.reduce_scatter,
+    torch.ops.distgrad.all_to_all,
+    torch.ops.distgrad.all_reduce,
+    torch.ops.distgrad.broadcast,
+    torch.ops.distgrad.reduce,
+    torch.ops.distgrad.gather,
+    torch.ops.distgrad.scatter,
+    torch.ops.distgrad.permute,
+):
+    torch.fx.node.has_side_effect(_op.default)

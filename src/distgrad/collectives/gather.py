@@ -201,9 +201,9 @@ def scatter(
     plan = _Plan(g, mine, moved_dim, src, trailing, x.dtype, x.device)
     if is_src:
         return c.apply(_Scatter, x, plan, None)
-    # A receiver's x only describes its part; its requires_grad says whether the source's does.
-    required = x.requires_grad and torch.is_grad_enabled()
-    return c.apply(_Scatter, None, plan, c.anchor(None, required, x.device))
+    # A receiver's x only describes its part, and requires grad when the source's does: as the
+    # anchor it makes autograd record the op here (its own gradient stays None).
+    return c.apply(_Scatter, None, plan, x if x.requires_grad else None)
 
 
 def _part_problem(x: object, sizes: Sequence[int], g: Group, dim: int) -> str | None:
