@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import subprocess
 import sys
@@ -97,11 +98,11 @@ def test_check_takes_uneven_shard_sizes_and_tolerances() -> None:
 def test_check_exits_1_with_the_traceback_when_the_function_raises() -> None:
     result = distgrad("check", f"{TARGETS}:raises")
     assert result.returncode == 1
-    assert "raises failed in the single-process run" in result.stderr
+    assert result.stderr.startswith("distgrad: error: raises failed in the single-process run")
     assert "a bug in the user's loss" in result.stderr
     result = distgrad("check", f"{TARGETS}:raises_on_rank_1")
     assert result.returncode == 1
-    assert "raises_on_rank_1 failed on the ranks" in result.stderr
+    assert result.stderr.startswith("distgrad: error: raises_on_rank_1 failed on the ranks")
     assert "rank 1: RuntimeError: a bug on rank 1" in result.stderr
 
 
@@ -114,7 +115,8 @@ BAD: list[tuple[list[str], str]] = [
     (["check", "no_such_module_xyz:f"], "cannot import module 'no_such_module_xyz'"),
     (["check", "missing_file.py:f"], "no such file: missing_file.py"),
     (["check", f"{EXAMPLE}:nope"], "has no 'nope'"),
-    (["check", f"{EXAMPLE}:make_model"], "cannot take the model and 2 input tensor(s)"),
+    (["check", f"{EXAMPLE}:make_model"], "cannot take the model and the inputs images, texts"),
+    (["check", f"{TARGETS}:global_loss", "--inputs", "wrong_names"], "cannot take the inputs y by"),
     (["check", "just_a_name"], "TARGET must look like MODULE:FUNCTION"),
     (["check", f"{TARGETS}:returns_a_matrix"], "must return this rank's loss as a scalar"),
     (
@@ -132,10 +134,17 @@ BAD: list[tuple[list[str], str]] = [
 ]
 
 
-def test_bad_arguments_give_one_line_and_exit_2() -> None:
+def test_bad_arguments_give_one_line_with_the_error_prefix_and_exit_2() -> None:
     """Every case is its own process, run side by side; each must exit 2 with one line."""
     results = distgrad_many([[sys.executable, "-m", "distgrad", *args] for args, _ in BAD])
     for (args, message), result in zip(BAD, results, strict=True):
         assert result.returncode == 2, (args, result.stdout + result.stderr)
         assert message in result.stderr, (args, result.stderr)
         assert result.stderr.count("\n") == 1, (args, result.stderr)
+        assert result.stderr.startswith("distgrad: error: "), (args, result.stderr)
+
+
+def test_version_is_the_package_version() -> None:
+    result = distgrad("--version")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"distgrad {importlib.metadata.version('distgrad')}\n"
