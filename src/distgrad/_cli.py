@@ -163,10 +163,14 @@ def _run_demo(args: argparse.Namespace) -> int:
         f"{settings.world_size} processes",
         file=sys.stderr,
     )
-    curves = [train.train_single(settings)]
+    single, trajectory = train.train_single(settings)
+    curves = [single]
     for naive in (False, True):
         results = run_on_ranks(
-            train.train_distributed, settings.world_size, args=(settings, naive), timeout=600
+            train.train_distributed,
+            settings.world_size,
+            args=(settings, naive, trajectory),
+            timeout=600,
         )
         curves.append(results[0])
     seconds = time.perf_counter() - started
