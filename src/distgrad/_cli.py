@@ -1,6 +1,8 @@
 """The `distgrad` command: `distgrad demo` and `distgrad check`.
 
-Exit codes: 0 success (check: gradients agree), 1 check found a mismatch, 2 bad arguments.
+Exit codes: 0 success (check: gradients agree), 1 check found a mismatch or the checked function
+failed, 2 bad arguments. Every error goes to stderr and starts with the same prefix,
+``distgrad: error:``; a bad argument is that one line.
 """
 
 from __future__ import annotations
@@ -8,7 +10,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
-import inspect
 import os
 import sys
 import time
@@ -19,18 +20,23 @@ from typing import Any, NoReturn
 
 import torch
 
+from distgrad import __version__
+from distgrad.errors import DistgradError
+
 __all__ = ["main"]
 
+PREFIX = "distgrad: error:"  # every error the command prints starts with it
 
-class UsageError(Exception):
-    """A bad argument, reported in one line with exit code 2."""
+
+class _UsageError(DistgradError):
+    """A bad argument, reported in one line with exit code 2 (never leaves this module)."""
 
 
 class _Parser(argparse.ArgumentParser):
     """argparse, with a bad argument reported in one line (and a pointer to --help)."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        self.exit(2, f"{PREFIX} {message} (see {self.prog} --help)\n")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -39,12 +45,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         code: int = args.run(args)
         return code
-    except UsageError as exc:
-        _fail(parser, str(exc))
-
-
-def _fail(parser: argparse.ArgumentParser, message: str) -> NoReturn:
-    parser.exit(2, f"distgrad: error: {message}\n")
+    except _UsageError as exc:
+        parser.exit(2, f"{PREFIX} {exc}\n")
 
 
 def _positive(text: str) -> int:
@@ -74,6 +76,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="distgrad",
         description="Differentiable collectives with gradients checked against one process.",
     )
+    parser.add_argument("--version", action="version", version=f"distgrad {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     demo = sub.add_parser(
         "demo",
@@ -107,8 +110,9 @@ def _parser() -> argparse.ArgumentParser:
             "Run FUNCTION on one process on the whole batch and on N processes on shards, and "
             "compare the loss and the gradients. TARGET is MODULE:FUNCTION or FILE.py:FUNCTION. "
             "FUNCTION(*inputs) or FUNCTION(model, *inputs) returns this rank's scalar loss; the "
-            "same module defines make_inputs() returning the global batch (a tuple or a dict of "
-            "tensors, split along dim 0) and, optionally, make_model() returning an nn.Module."
+            "same module defines make_inputs() returning the global batch (a tuple of tensors, "
+            "passed in order, or a dict of tensors, passed by parameter name; split along dim "
+            "0) and, optionally, make_model() returning an nn.Module."
         ),
     )
     check.add_argument("target", metavar="TARGET", help="MODULE:FUNCTION or FILE.py:FUNCTION")
@@ -131,6 +135,12 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--rtol", type=float, default=None, help="relative tolerance")
     check.add_argument("--atol", type=float, default=None, help="absolute tolerance")
     check.add_argument("--timeout", type=float, default=120.0, help="seconds (default 120)")
+    check.add_argument(
+        "--no-debug",
+        action="store_true",
+        help="run the ranks without distgrad's debug mode (for code whose ranks legitimately "
+        "call a collective from different lines)",
+    )
     check.set_defaults(run=_run_check)
     return parser
 
@@ -145,7 +155,7 @@ def _run_demo(args: argparse.Namespace) -> int:
     out = _writable_folder(args.output)
     batch = 32 * args.world_size if args.batch is None else args.batch
     if batch % args.world_size:
-        raise UsageError(f"--batch {batch} must divide evenly over --world-size {args.world_size}")
+        raise _UsageError(f"--batch {batch} must divide evenly over --world-size {args.world_size}")
     settings = train.Settings(args.world_size, args.steps, batch, args.seed)
     started = time.perf_counter()
     print(
@@ -153,10 +163,14 @@ def _run_demo(args: argparse.Namespace) -> int:
         f"{settings.world_size} processes",
         file=sys.stderr,
     )
-    curves = [train.train_single(settings)]
+    single, trajectory = train.train_single(settings)
+    curves = [single]
     for naive in (False, True):
         results = run_on_ranks(
-            train.train_distributed, settings.world_size, args=(settings, naive), timeout=600
+            train.train_distributed,
+            settings.world_size,
+            args=(settings, naive, trajectory),
+            timeout=600,
         )
         curves.append(results[0])
     seconds = time.perf_counter() - started
@@ -177,9 +191,9 @@ def _writable_folder(path: Path) -> Path:
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise UsageError(f"cannot create the output folder {path}: {exc.strerror}") from None
+        raise _UsageError(f"cannot create the output folder {path}: {exc.strerror}") from None
     if not os.access(path, os.W_OK):
-        raise UsageError(f"the output folder {path} is not writable")
+        raise _UsageError(f"the output folder {path} is not writable")
     return path
 
 
@@ -187,16 +201,14 @@ def _writable_folder(path: Path) -> Path:
 
 
 def _run_check(args: argparse.Namespace) -> int:
-    from distgrad.errors import RankFailedError
+    from distgrad.errors import CheckArgumentError, NotALossError, RankFailedError
     from distgrad.testing import check_against_single_process
-    from distgrad.testing.gradcheck import CheckArgumentError, NotALossError
 
     module, name = _load_target(args.target)
     fn = _attribute(module, name, args.target)
     make_inputs = _attribute(module, args.inputs, f"{module.__name__}:{args.inputs}")
     make_model = _model_factory(module, args.model)
     inputs = _global_batch(make_inputs, f"{module.__name__}:{args.inputs}")
-    _check_signature(fn, name, len(inputs), make_model is not None)
     try:
         report = check_against_single_process(
             fn,
@@ -208,13 +220,14 @@ def _run_check(args: argparse.Namespace) -> int:
             rtol=args.rtol,
             atol=args.atol,
             timeout=args.timeout,
+            debug=not args.no_debug,
         )
     except NotALossError as exc:
-        raise UsageError(f"{name}: {exc}") from None
+        raise _UsageError(f"{name}: {exc}") from None
     except CheckArgumentError as exc:
-        raise UsageError(str(exc)) from None
+        raise _UsageError(str(exc)) from None
     except RankFailedError as exc:
-        print(f"distgrad check: {name} failed on the ranks:\n{exc}", file=sys.stderr)
+        print(f"{PREFIX} {name} failed on the ranks:\n{exc}", file=sys.stderr)
         return 1
     except Exception:
         return _function_failed(name)
@@ -226,7 +239,7 @@ def _function_failed(name: str) -> int:
     """The user's function (or model factory) raised in the single-process run."""
     import traceback
 
-    print(f"distgrad check: {name} failed in the single-process run:", file=sys.stderr)
+    print(f"{PREFIX} {name} failed in the single-process run:", file=sys.stderr)
     traceback.print_exc()
     return 1
 
@@ -237,7 +250,7 @@ def _global_batch(
     try:
         inputs = make_inputs()
     except Exception as exc:
-        raise UsageError(f"{label}() raised {type(exc).__name__}: {exc}") from None
+        raise _UsageError(f"{label}() raised {type(exc).__name__}: {exc}") from None
     if isinstance(inputs, torch.Tensor):
         return (inputs,)
     values = list(inputs.values()) if isinstance(inputs, Mapping) else inputs
@@ -247,19 +260,19 @@ def _global_batch(
         found = type(inputs).__name__
         if isinstance(inputs, (Mapping, tuple, list)):
             found += " holding " + ", ".join(sorted({type(v).__name__ for v in values}))
-        raise UsageError(
+        raise _UsageError(
             f"{label}() must return the global batch as a tensor, a tuple or list of tensors, "
             f"or a dict of name to tensor; got {found}"
         )
     if not values:
-        raise UsageError(f"{label}() returned no tensors")
+        raise _UsageError(f"{label}() returned no tensors")
     return inputs
 
 
 def _load_target(target: str) -> tuple[ModuleType, str]:
     where, sep, name = target.rpartition(":")
     if not sep or not where or not name:
-        raise UsageError(
+        raise _UsageError(
             f"TARGET must look like MODULE:FUNCTION or FILE.py:FUNCTION, got {target!r}"
         )
     if where.endswith(".py") or os.sep in where:
@@ -267,12 +280,12 @@ def _load_target(target: str) -> tuple[ModuleType, str]:
     try:
         return importlib.import_module(where), name
     except ImportError as exc:
-        raise UsageError(f"cannot import module {where!r}: {exc}") from None
+        raise _UsageError(f"cannot import module {where!r}: {exc}") from None
 
 
 def _load_file(path: Path) -> ModuleType:
     if not path.is_file():
-        raise UsageError(f"no such file: {path}")
+        raise _UsageError(f"no such file: {path}")
     # The ranks import the function by module name, so the file's folder goes on sys.path and
     # the module is registered under its own name.
     folder, module_name = str(path.resolve().parent), path.stem
@@ -280,22 +293,22 @@ def _load_file(path: Path) -> ModuleType:
         sys.path.insert(0, folder)
     spec = importlib.util.spec_from_file_location(module_name, path)
     if spec is None or spec.loader is None:
-        raise UsageError(f"cannot load {path} as a Python module")
+        raise _UsageError(f"cannot load {path} as a Python module")
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module
     try:
         spec.loader.exec_module(module)
     except Exception as exc:
-        raise UsageError(f"importing {path} failed: {type(exc).__name__}: {exc}") from None
+        raise _UsageError(f"importing {path} failed: {type(exc).__name__}: {exc}") from None
     return module
 
 
 def _attribute(module: ModuleType, name: str, label: str) -> Callable[..., Any]:
     value = getattr(module, name, None)
     if value is None:
-        raise UsageError(f"{label}: module {module.__name__!r} has no {name!r}")
+        raise _UsageError(f"{label}: module {module.__name__!r} has no {name!r}")
     if not callable(value):
-        raise UsageError(f"{label}: {name!r} is not a function")
+        raise _UsageError(f"{label}: {name!r} is not a function")
     return value  # type: ignore[no-any-return]
 
 
@@ -304,17 +317,3 @@ def _model_factory(module: ModuleType, name: str | None) -> Callable[..., Any] |
         return _attribute(module, name, f"{module.__name__}:{name}")
     found = getattr(module, "make_model", None)
     return found if callable(found) else None
-
-
-def _check_signature(fn: Callable[..., Any], name: str, n_inputs: int, has_model: bool) -> None:
-    expected = n_inputs + (1 if has_model else 0)
-    try:
-        inspect.signature(fn).bind(*range(expected))
-    except TypeError:
-        what = "the model and " if has_model else ""
-        raise UsageError(
-            f"{name}{inspect.signature(fn)} cannot take {what}{n_inputs} input tensor(s) "
-            f"positionally ({expected} arguments)"
-        ) from None
-    except ValueError:
-        return  # no signature to inspect (a builtin): let the call decide

@@ -6,6 +6,8 @@ The hierarchy::
     ├── CollectiveArgumentError    a collective was called with invalid arguments (a ValueError)
     │   └── CollectiveMismatchError    ranks disagree on shape, dtype, device or arguments
     ├── UnsupportedAdjointError    the gradient is not defined for this call (raised at the call)
+    ├── CheckArgumentError         the checker cannot use its arguments (a ValueError)
+    ├── NotALossError              the checked function returned no scalar loss (a TypeError)
     ├── GradientMismatchError      the checker found a gradient that differs from the reference
     ├── RankFailedError            a process started by run_on_ranks failed or timed out
     └── RpcAutogradError           distributed autograd over RPC failed
@@ -19,10 +21,12 @@ exchange, so its peers learn of the problem instead of waiting for it.
 from __future__ import annotations
 
 __all__ = [
+    "CheckArgumentError",
     "CollectiveArgumentError",
     "CollectiveMismatchError",
     "DistgradError",
     "GradientMismatchError",
+    "NotALossError",
     "RankFailedError",
     "RpcAutogradError",
     "UnknownContextError",
@@ -52,6 +56,14 @@ class CollectiveMismatchError(CollectiveArgumentError):
 
 class UnsupportedAdjointError(DistgradError):
     """The gradient of this call is not defined; raised when the op is called, not in backward."""
+
+
+class CheckArgumentError(DistgradError, ValueError):
+    """The checker was given arguments it cannot use; raised before any process starts."""
+
+
+class NotALossError(DistgradError, TypeError):
+    """The function given to the checker returned something other than a scalar tensor."""
 
 
 class GradientMismatchError(DistgradError):

@@ -14,6 +14,11 @@ def make_inputs() -> dict[str, Tensor]:
     return {"x": torch.randn(6, 3, dtype=torch.float64, generator=gen)}
 
 
+def wrong_names() -> dict[str, Tensor]:
+    """A dict whose key is no parameter of global_loss(x)."""
+    return {"y": torch.ones(4, 3, dtype=torch.float64)}
+
+
 def not_tensors() -> list[int]:
     return [1, 2]
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -56,12 +58,16 @@ def test_demo_runs_and_distgrad_tracks_one_process_while_naive_drifts(tmp_path: 
     result = distgrad("demo", "--steps", "4", "--batch", "16", "--output", str(tmp_path / "out"))
     assert result.returncode == 0, result.stderr
     rows = {line.split("  ")[0]: line.split() for line in result.stdout.splitlines() if line}
-    distgrad_gap, distgrad_dev = float(rows["distgrad"][2]), float(rows["distgrad"][3])
-    naive_dev = float(rows["naive GatherLayer"][4])
-    assert distgrad_gap < 1e-12 and distgrad_dev < 1e-12
-    assert naive_dev > 1e-2
+    distgrad_gap, distgrad_dev, distgrad_dist = map(float, rows["distgrad"][2:5])
+    naive_dev, naive_dist = map(float, rows["naive GatherLayer"][4:6])
+    assert distgrad_gap < 1e-12 and distgrad_dev < 1e-12 and distgrad_dist < 1e-12
+    assert naive_dev > 1e-2 and naive_dist > 1e-3
     report = (tmp_path / "out" / "report.md").read_text()
-    assert "| distgrad |" in report
+    table = [line for line in report.splitlines() if line.startswith("|")]
+    assert table[0].startswith("| run | final loss | max \\|loss - one process\\| |")
+    cells = [len(re.split(r"(?<!\\)\|", line)) for line in table]  # unescaped pipes only
+    assert cells == [cells[0]] * 5 and cells[0] == 7, table  # 5 columns, every row
+    assert table[2].startswith("| one process |")
     if importlib.util.find_spec("matplotlib") is None:  # the optional `demo` extra
         assert "no plot: matplotlib is not installed" in result.stdout
         assert not (tmp_path / "out" / "curves.png").exists()
@@ -97,11 +103,11 @@ def test_check_takes_uneven_shard_sizes_and_tolerances() -> None:
 def test_check_exits_1_with_the_traceback_when_the_function_raises() -> None:
     result = distgrad("check", f"{TARGETS}:raises")
     assert result.returncode == 1
-    assert "raises failed in the single-process run" in result.stderr
+    assert result.stderr.startswith("distgrad: error: raises failed in the single-process run")
     assert "a bug in the user's loss" in result.stderr
     result = distgrad("check", f"{TARGETS}:raises_on_rank_1")
     assert result.returncode == 1
-    assert "raises_on_rank_1 failed on the ranks" in result.stderr
+    assert result.stderr.startswith("distgrad: error: raises_on_rank_1 failed on the ranks")
     assert "rank 1: RuntimeError: a bug on rank 1" in result.stderr
 
 
@@ -114,7 +120,8 @@ BAD: list[tuple[list[str], str]] = [
     (["check", "no_such_module_xyz:f"], "cannot import module 'no_such_module_xyz'"),
     (["check", "missing_file.py:f"], "no such file: missing_file.py"),
     (["check", f"{EXAMPLE}:nope"], "has no 'nope'"),
-    (["check", f"{EXAMPLE}:make_model"], "cannot take the model and 2 input tensor(s)"),
+    (["check", f"{EXAMPLE}:make_model"], "cannot take the model and the inputs images, texts"),
+    (["check", f"{TARGETS}:global_loss", "--inputs", "wrong_names"], "cannot take the inputs y by"),
     (["check", "just_a_name"], "TARGET must look like MODULE:FUNCTION"),
     (["check", f"{TARGETS}:returns_a_matrix"], "must return this rank's loss as a scalar"),
     (
@@ -132,10 +139,17 @@ BAD: list[tuple[list[str], str]] = [
 ]
 
 
-def test_bad_arguments_give_one_line_and_exit_2() -> None:
+def test_bad_arguments_give_one_line_with_the_error_prefix_and_exit_2() -> None:
     """Every case is its own process, run side by side; each must exit 2 with one line."""
     results = distgrad_many([[sys.executable, "-m", "distgrad", *args] for args, _ in BAD])
     for (args, message), result in zip(BAD, results, strict=True):
         assert result.returncode == 2, (args, result.stdout + result.stderr)
         assert message in result.stderr, (args, result.stderr)
         assert result.stderr.count("\n") == 1, (args, result.stderr)
+        assert result.stderr.startswith("distgrad: error: "), (args, result.stderr)
+
+
+def test_version_is_the_package_version() -> None:
+    result = distgrad("--version")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"distgrad {importlib.metadata.version('distgrad')}\n"

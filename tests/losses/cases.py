@@ -38,14 +38,12 @@ def info_nce(m: Learnable, a: Tensor, b: Tensor, block_size: int | None = None) 
 
 
 def clip_loss(m: Learnable, a: Tensor, b: Tensor, block_size: int | None = None) -> Tensor:
-    return dg.losses.clip_loss(
-        m.encoder(a), m.encoder(b), logit_scale=m.log_scale.exp(), block_size=block_size
-    )
+    return dg.losses.clip_loss(m.encoder(a), m.encoder(b), m.log_scale.exp(), block_size=block_size)
 
 
 def siglip_loss(m: Learnable, a: Tensor, b: Tensor, block_size: int | None = None) -> Tensor:
     return dg.losses.siglip_loss(
-        m.encoder(a), m.encoder(b), scale=m.log_scale.exp(), bias=m.bias, block_size=block_size
+        m.encoder(a), m.encoder(b), m.log_scale.exp(), m.bias, block_size=block_size
     )
 
 

@@ -1,17 +1,21 @@
-"""The loss modules under DistributedDataParallel, float32 tolerances, and bad input on the
-memory-efficient path.
+"""The loss modules under DistributedDataParallel and FSDP2, float32 tolerances, checkpoints of
+earlier releases, and bad input on the memory-efficient path.
 
-Semantics asserted: one SGD step of an encoder under DDP with a loss module (its learnable
-scalars inside or outside the DDP module, dense or ring path, uneven local batches) leaves
-exactly the parameters of one step of one process on the concatenated batch; the modules'
-scalars get the single-process gradient on every rank. Errors are raised on every rank.
+Semantics asserted: SGD steps of an encoder under DDP or inside a ``fully_shard``-ed (FSDP2)
+model with a loss module (its learnable scalars inside or outside the DDP module, dense or ring
+path, uneven local batches) leave exactly the parameters of the same steps of one process on
+the concatenated batch; the modules' scalars get the single-process gradient on every rank.
+Errors are raised on every rank.
 """
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import Tensor, nn
+from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 import distgrad as dg
@@ -83,38 +87,110 @@ def test_one_ddp_step_with_a_loss_module_outside_ddp_equals_one_process(sizes: l
                 )
 
 
-class _Inside(nn.Module):
-    """An encoder and a SigLIP loss module in one DDP-wrapped module."""
+class _Together(nn.Module):
+    """An encoder and a loss module in one model (what DDP or fully_shard wraps)."""
 
-    def __init__(self) -> None:
+    def __init__(self, kind: str, block: int | None) -> None:
         super().__init__()
-        self.encoder, self.criterion = _make("siglip", 2)
+        self.encoder, self.criterion = _make(kind, block)
 
     def forward(self, a: Tensor, b: Tensor) -> Tensor:
         out: Tensor = self.criterion(self.encoder(a), self.encoder(b))
         return out
 
 
-def _ddp_inside(rank: int, world_size: int) -> list[Tensor]:
+STEPS = 3
+
+
+def _train(model: nn.Module, a: Tensor, b: Tensor) -> None:
+    """STEPS steps of SGD with momentum (so each step also carries the earlier ones)."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9)
+    for _ in range(STEPS):
+        optimizer.zero_grad()
+        model(a, b).backward()
+        optimizer.step()
+
+
+def _full(p: Tensor) -> Tensor:
+    """A parameter's full value: FSDP2 holds a shard of it (a DTensor)."""
+    full = p.full_tensor() if hasattr(p, "full_tensor") else p
+    return full.detach().clone()
+
+
+def _wrapped_training(rank: int, world_size: int, wrapper: str) -> list[list[Tensor]]:
     a, b = _batch()
-    mine = slice(0, 5) if rank == 0 else slice(5, ROWS)
-    model = _Inside()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.3)
-    ddp = DistributedDataParallel(model)  # kept alive: its reducer must outlive the backward
-    ddp(a[mine], b[mine]).backward()
-    optimizer.step()
-    return [p.detach() for p in model.parameters()]
+    mine = slice(0, 5) if rank == 0 else slice(5, ROWS)  # uneven: 5 and 3 rows
+    out = []
+    for kind, block in CASES:
+        model = _Together(kind, block)
+        if wrapper == "fsdp2":
+            fully_shard(model.encoder)
+            fully_shard(model)  # the root holds the loss module's scalars
+            _train(model, a[mine], b[mine])
+        else:
+            ddp = DistributedDataParallel(model)  # kept alive: its reducer outlives the backward
+            _train(ddp, a[mine], b[mine])
+        out.append([_full(p) for p in model.parameters()])
+    return out
 
 
-def test_one_ddp_step_with_the_loss_module_inside_ddp_equals_one_process() -> None:
-    """DDP averages the already replicated scalar gradients: still the single-process step."""
-    model = _Inside()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.3)
-    model(*_batch()).backward()
-    optimizer.step()
-    for result in run_on_ranks(_ddp_inside, 2):
-        for got, want in zip(result, model.parameters(), strict=True):
-            torch.testing.assert_close(got, want.detach(), rtol=1e-10, atol=1e-12)
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])
+def test_training_with_the_loss_module_inside_the_wrapped_model_equals_one_process(
+    wrapper: str,
+) -> None:
+    """Every loss module inside the DDP or fully_shard-ed model, 3 SGD steps with momentum on 2
+    ranks (5 and 3 rows): every parameter equals one process's (tolerance 1e-10: reduction
+    order). DDP and FSDP2 average the already replicated scalar gradients, which changes
+    nothing."""
+    per_rank = run_on_ranks(_wrapped_training, 2, args=(wrapper,))
+    for i, (kind, block) in enumerate(CASES):
+        model = _Together(kind, block)
+        _train(model, *_batch())
+        for rank, result in enumerate(per_rank):
+            for got, want in zip(result[i], model.parameters(), strict=True):
+                torch.testing.assert_close(
+                    got, want.detach(), rtol=1e-10, atol=1e-12, msg=f"{kind} rank {rank}"
+                )
+
+
+def test_learnable_scalars_are_one_element_vectors_as_fully_shard_requires() -> None:
+    for kind, _ in CASES:
+        for name, p in _make(kind, None)[1].named_parameters():
+            assert p.shape == (1,), f"{kind}.{name}: {tuple(p.shape)}"
+
+
+def test_checkpoints_of_earlier_releases_still_load() -> None:
+    """Earlier releases saved 0-dim scalars, and SigLIPLoss's as log_scale and bias."""
+    old = {"log_scale": torch.tensor(math.log(3.0)), "bias": torch.tensor(-2.0)}
+    siglip = dg.losses.SigLIPLoss()
+    siglip.load_state_dict(old)
+    assert siglip.log_logit_scale.tolist() == pytest.approx([math.log(3.0)])
+    assert siglip.logit_bias.tolist() == [-2.0]
+    clip = dg.losses.CLIPLoss()
+    clip.load_state_dict({"log_logit_scale": torch.tensor(math.log(50.0))})
+    assert clip.log_logit_scale.tolist() == pytest.approx([math.log(50.0)])
+    nested = nn.Sequential(nn.Linear(2, 2), dg.losses.NTXentLoss())
+    state = nested.state_dict()
+    state["1.log_temperature"] = torch.tensor(math.log(0.2))
+    nested.load_state_dict(state)
+    assert nested[1].log_temperature.tolist() == pytest.approx([math.log(0.2)])
+    assert list(siglip.state_dict()) == ["log_logit_scale", "logit_bias"]  # today's names
+
+
+def test_siglip_keywords_of_earlier_releases_warn_and_still_work() -> None:
+    gen = torch.Generator().manual_seed(0)
+    x, y = (torch.randn(4, 3, generator=gen) for _ in range(2))
+    with pytest.warns(
+        FutureWarning,
+        match=r"siglip_loss\(scale=, bias=...\) is deprecated.*logit_scale=, logit_bias=",
+    ):
+        old = dg.losses.siglip_loss(x, y, scale=3.0, bias=-1.0)
+    torch.testing.assert_close(old, dg.losses.siglip_loss(x, y, 3.0, -1.0))
+    with pytest.warns(FutureWarning, match=r"SigLIPLoss\(bias=...\) is deprecated"):
+        module = dg.losses.SigLIPLoss(bias=-1.0)
+    assert module.logit_bias.tolist() == [-1.0]
+    with pytest.raises(TypeError, match="got both scale= and logit_scale="):
+        dg.losses.siglip_loss(x, y, scale=3.0, logit_scale=3.0)
 
 
 def _float32(rank: int, world_size: int, block: int | None) -> list[Tensor]:

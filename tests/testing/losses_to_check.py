@@ -142,3 +142,28 @@ def with_model(model: nn.Module, q: Tensor, k: Tensor) -> Tensor:
 
 def with_model_local_only(model: nn.Module, q: Tensor, k: Tensor) -> Tensor:
     return local_only(model(q), model(k))
+
+
+def k_local_only(q: Tensor, k: Tensor) -> Tensor:
+    """A bug in the k path only: k's gradient is 1/N of the truth, q's is right."""
+    return _global_loss(LocalOnlyGather.apply(k)) + _global_loss(dg.all_gather(q))
+
+
+def widths(q: Tensor, k: Tensor) -> Tensor:
+    """Right; q and k may differ in width, and each enters the loss in its own way."""
+    return (dg.all_gather(q) ** 2).sum() + 3 * dg.all_gather(k).sum()
+
+
+def _gather_elsewhere(k: Tensor) -> Tensor:
+    return dg.all_gather(k)
+
+
+def calls_from_two_places(q: Tensor, k: Tensor) -> Tensor:
+    """Right, but rank 0 makes the gather from another line than its peers."""
+    keys = _gather_elsewhere(k) if _rank() == 0 else dg.all_gather(k)
+    return _global_loss(keys) + (q * 0).sum()
+
+
+def unguarded_world_size(q: Tensor, k: Tensor) -> Tensor:
+    """Calls dist.get_world_size() with no process group in the single-process run."""
+    return _global_loss(dg.all_gather(k)) * dist.get_world_size() + (q * 0).sum()

@@ -6,10 +6,18 @@ rank against the same function in one process on the whole batch. Inputs are flo
 
 from __future__ import annotations
 
+import traceback
+
 import pytest
 import torch
 
-from distgrad.errors import GradientMismatchError
+from distgrad.errors import (
+    CheckArgumentError,
+    DistgradError,
+    GradientMismatchError,
+    NotALossError,
+    RankFailedError,
+)
 from distgrad.testing import GradReport, check_against_single_process
 from tests.testing import losses_to_check as L
 
@@ -173,12 +181,74 @@ def test_a_mismatch_raises_with_a_per_rank_table_on_request() -> None:
 
 
 def test_bad_arguments_raise_before_starting_processes() -> None:
-    """Argument errors are ValueError/TypeError with the offending value, before any rank starts."""
-    with pytest.raises(ValueError, match="world_size must be at least 1"):
+    """Argument errors are distgrad errors (and ValueError/TypeError, as before) naming the
+    offending value, raised before any rank starts."""
+    with pytest.raises(CheckArgumentError, match="world_size must be at least 1"):
         check_against_single_process(L.right, _batch(), world_size=0)
-    with pytest.raises(ValueError, match="same length along shard_dim"):
+    with pytest.raises(CheckArgumentError, match="same length along shard_dim"):
         check_against_single_process(L.right, {"q": torch.ones(3, 4), "k": torch.ones(4, 4)})
-    with pytest.raises(ValueError, match="shard_sizes must be 2"):
+    with pytest.raises(CheckArgumentError, match="shard_sizes must be 2"):
         check_against_single_process(L.right, _batch(), shard_sizes=[1, 2])
-    with pytest.raises(TypeError, match="scalar tensor"):
+    with pytest.raises(NotALossError, match="scalar tensor"):
         check_against_single_process(lambda q, k: q, _batch(), world_size=1)
+    for error, builtin in ((CheckArgumentError, ValueError), (NotALossError, TypeError)):
+        assert issubclass(error, DistgradError) and issubclass(error, builtin)
+
+
+def _reversed_batch(widths: tuple[int, int] = (4, 4)) -> dict[str, torch.Tensor]:
+    """The batch as a dict whose order (k, q) differs from the functions' (q, k)."""
+    q, k = _batch()["q"][:, : widths[0]], _batch()["k"][:, : widths[1]]
+    return {"k": k, "q": q}
+
+
+def test_a_dict_of_inputs_binds_by_parameter_name_whatever_its_order() -> None:
+    """widths(q, k) with q [6, 3] and k [6, 4], given as {"k": ..., "q": ...}."""
+    batch = _reversed_batch(widths=(3, 4))
+    report = check_against_single_process(L.widths, batch, world_size=2)
+    assert report.ok, str(report)
+    expected = L.widths(q=batch["q"], k=batch["k"])
+    assert report.reference_loss == pytest.approx(float(expected), rel=1e-12)
+    assert [c.name for c in report.checks if c.rank == 0] == ["k", "q"]
+
+
+def test_a_list_of_inputs_stays_positional() -> None:
+    q, k = _batch()["q"][:, :3], _batch()["k"]
+    report = check_against_single_process(L.widths, [k, q], world_size=1)
+    assert report.reference_loss == pytest.approx(float(L.widths(k, q)), rel=1e-12)
+    assert [c.name for c in report.checks] == ["input 0", "input 1"]
+
+
+def test_the_headline_diagnosis_describes_only_the_rows_it_applies_to() -> None:
+    """A bug in the k path only, inputs given as {"k", "q"}: k's rows fail by exactly 1/2 on
+    every rank and q's agree, so the diagnosis names k and says q agrees."""
+    report = check_against_single_process(L.k_local_only, _reversed_batch(), world_size=2)
+    assert not report.ok
+    assert {c.name for c in report.checks if not c.ok} == {"k"}
+    assert {c.name for c in report.checks if c.ok} == {"q"}
+    diagnosis = _diagnosis(report)
+    assert diagnosis.startswith("the gradient of k (q agrees) is scaled by 1/2: the backward")
+    assert "every gradient" not in diagnosis
+
+
+def test_a_dict_whose_keys_are_not_parameters_is_refused_before_starting_processes() -> None:
+    with pytest.raises(CheckArgumentError, match=r"cannot take the inputs x, k by name") as info:
+        check_against_single_process(L.right, {"x": torch.ones(4, 2), "k": torch.ones(4, 2)})
+    assert "pass a list or tuple to bind the inputs by position" in str(info.value)
+
+
+def test_the_ranks_run_in_debug_mode() -> None:
+    """Rank 0 gathers from another line than rank 1: only debug mode's call-site check sees it."""
+    with pytest.raises(RankFailedError, match="debug mode: ranks made this call from different"):
+        check_against_single_process(L.calls_from_two_places, _batch(), world_size=2)
+    report = check_against_single_process(
+        L.calls_from_two_places, _batch(), world_size=2, debug=False
+    )
+    assert report.ok, str(report)
+
+
+def test_an_unguarded_get_world_size_in_the_reference_run_gets_a_hint() -> None:
+    with pytest.raises(ValueError, match="process group has not been initialized") as info:
+        check_against_single_process(L.unguarded_world_size, _batch(), world_size=2)
+    text = "".join(traceback.format_exception(info.value))
+    assert "the single-process reference runs the function in this process" in text
+    assert "dist.get_world_size() if dist.is_initialized() else 1" in text

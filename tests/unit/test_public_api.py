@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
+import re
+
 import distgrad
 import distgrad.collectives
 import distgrad.errors
@@ -69,3 +73,52 @@ def test_every_collective_is_exported_at_the_top() -> None:
 def test_every_error_derives_from_distgrad_error() -> None:
     for name in distgrad.errors.__all__:
         assert issubclass(getattr(distgrad.errors, name), distgrad.errors.DistgradError)
+
+
+def _error_classes_defined_in_the_package() -> dict[str, type[BaseException]]:
+    """Every exception class defined in any module of distgrad (found by walking the package)."""
+    found: dict[str, type[BaseException]] = {}
+    for info in pkgutil.walk_packages(distgrad.__path__, prefix="distgrad."):
+        module = importlib.import_module(info.name)
+        for name, value in vars(module).items():
+            if (
+                isinstance(value, type)
+                and issubclass(value, BaseException)
+                and value.__module__ == module.__name__
+            ):
+                found[f"{module.__name__}.{name}"] = value
+    return found
+
+
+def test_every_error_class_in_the_package_joins_the_error_tree() -> None:
+    """A public error lives in distgrad.errors; a private one (a leading underscore) derives
+    from DistgradError too, so that `except DistgradError` catches everything distgrad raises."""
+    found = _error_classes_defined_in_the_package()
+    assert len(found) >= len(distgrad.errors.__all__)
+    for where, cls in found.items():
+        assert issubclass(cls, distgrad.errors.DistgradError), f"{where} is not a DistgradError"
+        if not cls.__name__.startswith("_"):
+            assert where == f"distgrad.errors.{cls.__name__}", f"{where}: move it to errors.py"
+            assert cls.__name__ in distgrad.errors.__all__, f"{where} is not exported"
+
+
+def test_the_error_tree_drawn_in_errors_docstring_is_the_class_hierarchy() -> None:
+    """Each drawn line `├── Name` sits under its parent; compare with the classes' bases."""
+    doc = distgrad.errors.__doc__ or ""
+    drawn: dict[str, str | None] = {}
+    parents: list[tuple[int, str]] = []  # (indent, name) of the open branches
+    for line in doc.splitlines():
+        match = re.match(r"^(\s*)(?:[│ ]*[├└]── )?([A-Z]\w+Error)\b", line)
+        if not match:
+            continue
+        name = match.group(2)
+        indent = line.index(name)
+        while parents and parents[-1][0] >= indent:
+            parents.pop()
+        drawn[name] = parents[-1][1] if parents else None
+        parents.append((indent, name))
+    assert sorted(drawn) == sorted(distgrad.errors.__all__)
+    for name, parent in drawn.items():
+        cls = getattr(distgrad.errors, name)
+        own_bases = [b.__name__ for b in cls.__bases__ if b.__module__ == "distgrad.errors"]
+        assert own_bases == ([parent] if parent else []), f"{name} is drawn under {parent}"

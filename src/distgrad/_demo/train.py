@@ -7,7 +7,8 @@
 
 Everything is float64 and seeded, so run 2 should track run 1 to rounding error while run 3
 drifts. At every step each distributed run also measures how far its (DDP-averaged) gradient
-is from the single-process gradient at the same parameters.
+is from the single-process gradient at the same parameters, and how far its parameters are
+from those of the one-process run after the same number of steps.
 """
 
 from __future__ import annotations
@@ -41,11 +42,18 @@ class Settings:
 
 @dataclass
 class Curve:
-    """One run: loss per step and, for distributed runs, the gradient's relative deviation."""
+    """One run, per step: the loss and, for distributed runs, the relative deviation of the
+    gradient from the one-process gradient at the same parameters and the relative distance of
+    the parameters from the one-process run's."""
 
     name: str
     losses: list[float] = field(default_factory=list)
     deviations: list[float] = field(default_factory=list)
+    distances: list[float] = field(default_factory=list)
+
+
+def _flat(model: nn.Module) -> Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
 def make_model(seed: int) -> nn.Module:
@@ -103,10 +111,12 @@ def _full_batch_grad(model: nn.Module, z_inputs: tuple[Tensor, Tensor]) -> tuple
     return float(loss.item()), grad
 
 
-def train_single(settings: Settings) -> Curve:
+def train_single(settings: Settings) -> tuple[Curve, list[Tensor]]:
+    """The one-process run: its curve and its parameters after every step."""
     model = make_model(settings.seed)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     curve = Curve("one process")
+    trajectory = []
     for step in range(settings.steps):
         views = make_views(settings)
         optimizer.zero_grad()
@@ -114,12 +124,16 @@ def train_single(settings: Settings) -> Curve:
         torch.autograd.backward(loss)
         optimizer.step()
         curve.losses.append(float(loss.item()))
+        trajectory.append(_flat(model))
         _progress(curve.name, step + 1, settings.steps)
-    return curve
+    return curve, trajectory
 
 
-def train_distributed(rank: int, world_size: int, settings: Settings, naive: bool) -> Curve:
-    """One rank of a DDP run; rank 0 returns the curve."""
+def train_distributed(
+    rank: int, world_size: int, settings: Settings, naive: bool, trajectory: list[Tensor]
+) -> Curve:
+    """One rank of a DDP run; rank 0 returns the curve. ``trajectory``: the one-process run's
+    parameters after every step."""
     gather: Gather = LocalOnlyGather.apply if naive else dg.all_gather  # type: ignore[assignment]
     name = "naive GatherLayer" if naive else "distgrad"
     model = make_model(settings.seed)
@@ -143,8 +157,12 @@ def train_distributed(rank: int, world_size: int, settings: Settings, naive: boo
             _, truth = _full_batch_grad(probe, views)
             curve.losses.append(float(global_loss.item()) / world_size)
             curve.deviations.append(float((grad - truth).norm() / truth.norm()))
-            _progress(name, step + 1, settings.steps)
         optimizer.step()
+        if rank == 0:
+            truth_after = trajectory[step]
+            distance = (_flat(model) - truth_after).norm() / truth_after.norm()
+            curve.distances.append(float(distance))
+            _progress(name, step + 1, settings.steps)
     return curve
 
 
@@ -160,13 +178,24 @@ def _progress(name: str, done: int, total: int) -> None:
     sys.stderr.flush()
 
 
-def summary_rows(curves: list[Curve]) -> list[tuple[str, str, str, str]]:
+COLUMNS = (
+    "run",
+    "final loss",
+    "max |loss - one process|",
+    "max gradient deviation",
+    "max parameter distance",
+)
+
+
+def summary_rows(curves: list[Curve]) -> list[tuple[str, ...]]:
+    """The header, then one row per run; deviations and distances are relative (see Curve)."""
     truth = curves[0].losses
-    rows = [("run", "final loss", "max |loss - one process|", "max gradient deviation")]
+    rows: list[tuple[str, ...]] = [COLUMNS]
     for curve in curves:
         gap = max(abs(a - b) for a, b in zip(curve.losses, truth, strict=True))
         dev = f"{max(curve.deviations):.1e}" if curve.deviations else "-"
-        rows.append((curve.name, f"{curve.losses[-1]:.6f}", f"{gap:.1e}", dev))
+        dist = f"{max(curve.distances):.1e}" if curve.distances else "-"
+        rows.append((curve.name, f"{curve.losses[-1]:.6f}", f"{gap:.1e}", dev, dist))
     return rows
 
 

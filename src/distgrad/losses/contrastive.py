@@ -29,6 +29,7 @@ from torch import Tensor
 
 from distgrad._group import Group, ProcessGroup
 from distgrad.collectives.all_gather import apply_all_gather
+from distgrad.losses._compat import renamed
 from distgrad.losses._global import batch_sizes, global_mean
 from distgrad.losses._ring import ring_clip, ring_reduce
 
@@ -60,6 +61,11 @@ def _block_problem(block_size: int | None) -> str | None:
     return f"block_size must be None (dense) or a positive int, got {block_size!r}"
 
 
+def _unit(x: Tensor, normalize: bool) -> Tensor:
+    """``x``'s rows L2-normalised, or ``x`` itself for features the model already normalised."""
+    return F.normalize(x, dim=1) if normalize else x
+
+
 def _scalar(value: Scalar, like: Tensor) -> Tensor:
     """``value`` as a 0-dim tensor of ``like``'s dtype (keeping its autograd history)."""
     return torch.as_tensor(value, dtype=like.dtype, device=like.device).reshape(())
@@ -70,6 +76,7 @@ def info_nce(
     key: Tensor,
     *,
     temperature: Scalar = 0.1,
+    normalize: bool = True,
     group: ProcessGroup | None = None,
     block_size: int | None = None,
 ) -> Tensor:
@@ -77,7 +84,8 @@ def info_nce(
     keys of the global batch.
 
     ``L = -(1/B) sum_i log softmax_j(<q_i, k_j> / temperature)[i]`` over cosine similarities
-    (both normalised). ``temperature`` may be a tensor that requires grad.
+    (both L2-normalised here; ``normalize=False`` takes the embeddings as given, for features
+    the model already normalised). ``temperature`` may be a tensor that requires grad.
 
     Communication: forward 1 all_gather of the keys [B_l, D] (plus two metadata handshakes and
     a scalar all_reduce for the value); backward 1 reduce-scatter of [B, D]. Memory: [B_l, B].
@@ -88,7 +96,7 @@ def info_nce(
         or _block_problem(block_size)
     )
     g, sizes = batch_sizes("info_nce", key, group, problem)
-    q, k = F.normalize(query, dim=1), F.normalize(key, dim=1)
+    q, k = _unit(query, normalize), _unit(key, normalize)
     if block_size is not None:
         return _ring_info_nce(q, k, 1 / _scalar(temperature, q), g, sizes, block_size)
     keys = apply_all_gather(k, g, sizes, 0)  # [B, D]
@@ -101,15 +109,18 @@ def info_nce(
 def clip_loss(
     image: Tensor,
     text: Tensor,
-    *,
     logit_scale: Scalar = 1 / 0.07,
+    *,
+    normalize: bool = True,
     group: ProcessGroup | None = None,
     block_size: int | None = None,
 ) -> Tensor:
     """CLIP's symmetric InfoNCE: images against all texts and texts against all images.
 
     ``L = (1/2B) sum_i [CE(s <x_i, Y>, i) + CE(s <y_i, X>, i)]`` with cosine similarities and
-    ``s = logit_scale`` (pass ``scale.exp()`` for CLIP's learnable log-scale).
+    ``s = logit_scale`` (pass ``log_scale.exp()`` for CLIP's learnable log-scale). The
+    arguments sit where open_clip's ``ClipLoss()(image_features, text_features, logit_scale)``
+    has them; ``normalize=False`` takes features the model already L2-normalised as given.
 
     Communication: forward 2 all_gathers of [B_l, D]; backward 2 reduce-scatters of [B, D].
     Memory: two [B_l, B] logit blocks.
@@ -120,7 +131,7 @@ def clip_loss(
         or _block_problem(block_size)
     )
     g, sizes = batch_sizes("clip_loss", text, group, problem)
-    x, y = F.normalize(image, dim=1), F.normalize(text, dim=1)
+    x, y = _unit(image, normalize), _unit(text, normalize)
     if block_size is not None:
         return _ring_clip(x, y, _scalar(logit_scale, x), g, sizes, block_size)
     all_x, all_y = apply_all_gather(x, g, sizes, 0), apply_all_gather(y, g, sizes, 0)
@@ -136,6 +147,7 @@ def nt_xent(
     view2: Tensor,
     *,
     temperature: Scalar = 0.5,
+    normalize: bool = True,
     group: ProcessGroup | None = None,
     block_size: int | None = None,
 ) -> Tensor:
@@ -143,7 +155,7 @@ def nt_xent(
     its sample; its negatives are the other 2B - 2 embeddings of the global batch.
 
     ``L = -(1/2B) sum_a log [exp(<z_a, z_p(a)>/t) / sum_{c != a} exp(<z_a, z_c>/t)]`` over
-    cosine similarities.
+    cosine similarities (``normalize=False``: the embeddings as given).
 
     Communication: forward 2 all_gathers of [B_l, D]; backward 2 reduce-scatters of [B, D].
     Memory: [2 B_l, 2 B].
@@ -154,7 +166,7 @@ def nt_xent(
         or _block_problem(block_size)
     )
     g, sizes = batch_sizes("nt_xent", view2, group, problem)
-    z1, z2 = F.normalize(view1, dim=1), F.normalize(view2, dim=1)
+    z1, z2 = _unit(view1, normalize), _unit(view2, normalize)
     if block_size is not None:
         return _ring_nt_xent(z1, z2, 1 / _scalar(temperature, z1), g, sizes, block_size)
     first, second = apply_all_gather(z1, g, sizes, 0), apply_all_gather(z2, g, sizes, 0)
@@ -169,36 +181,42 @@ def nt_xent(
     return global_mean(F.cross_entropy(logits, positive, reduction="sum"), 2 * total, g)
 
 
+@renamed(scale="logit_scale", bias="logit_bias")
 def siglip_loss(
     image: Tensor,
     text: Tensor,
+    logit_scale: Scalar = 10.0,
+    logit_bias: Scalar = -10.0,
     *,
-    scale: Scalar = 10.0,
-    bias: Scalar = -10.0,
+    normalize: bool = True,
     group: ProcessGroup | None = None,
     block_size: int | None = None,
 ) -> Tensor:
     """SigLIP: a binary decision for every (image, text) pair of the global batch.
 
-    ``L = -(1/B) sum_i sum_j log sigmoid(z_ij (scale <x_i, y_j> + bias))`` with ``z_ij = 1``
-    for matching pairs and -1 otherwise, cosine similarities. ``scale`` and ``bias`` may be
-    tensors that require grad (pass ``t.exp()`` for a learnable log-scale).
+    ``L = -(1/B) sum_i sum_j log sigmoid(z_ij (logit_scale <x_i, y_j> + logit_bias))`` with
+    ``z_ij = 1`` for matching pairs and -1 otherwise, cosine similarities (``normalize=False``:
+    the features as given). ``logit_scale`` and ``logit_bias`` may be tensors that require grad
+    (pass ``t.exp()`` for a learnable log-scale); they sit where open_clip's
+    ``SigLipLoss()(image_features, text_features, logit_scale, logit_bias)`` has them. The
+    keywords ``scale=`` and ``bias=`` of earlier releases still work and warn (FutureWarning).
 
     Communication: forward 1 all_gather of the texts [B_l, D]; backward 1 reduce-scatter.
     Memory: [B_l, B].
     """
     problem = (
         _pair_problem(image, text, "image and text")
-        or _positive_problem("scale", scale)
+        or _positive_problem("logit_scale", logit_scale)
         or _block_problem(block_size)
     )
     g, sizes = batch_sizes("siglip_loss", text, group, problem)
-    x, y = F.normalize(image, dim=1), F.normalize(text, dim=1)
+    x, y = _unit(image, normalize), _unit(text, normalize)
     if block_size is not None:
-        return _ring_siglip(x, y, _scalar(scale, x), _scalar(bias, x), g, sizes, block_size)
+        scale, bias = _scalar(logit_scale, x), _scalar(logit_bias, x)
+        return _ring_siglip(x, y, scale, bias, g, sizes, block_size)
     all_y = apply_all_gather(y, g, sizes, 0)
     offset, total = sum(sizes[: g.rank]), sum(sizes)
-    logits = scale * x @ all_y.T + bias  # [B_l, B]
+    logits = logit_scale * x @ all_y.T + logit_bias  # [B_l, B]
     signs = -torch.ones_like(logits)
     rows = torch.arange(len(x), device=x.device)
     signs[rows, rows + offset] = 1.0

@@ -2,22 +2,30 @@
 
 Each module keeps its scalars in log space where they must stay positive (temperature, logit
 scale) and calls the functional loss. Its parameters get the **single-process gradient on
-every rank**, whether or not the module sits inside DistributedDataParallel: the forward passes
-each parameter through :func:`_replicated`, whose backward averages the ranks' gradients (one
-scalar all_reduce). Inside DDP, averaging equal gradients changes nothing; outside DDP (a loss
-module built next to the DDP model, its parameters in the same optimizer) the ranks still take
+every rank**, whether or not the module sits inside DistributedDataParallel or a
+``fully_shard``-ed (FSDP2) model: the forward passes each parameter through
+:func:`_replicated`, whose backward averages the ranks' gradients (one scalar all_reduce).
+Inside DDP or FSDP2, averaging equal gradients changes nothing; outside (a loss module built
+next to the wrapped model, its parameters in the same optimizer) the ranks still take
 identical steps. Cost: one scalar all_reduce per parameter, forward and backward.
+
+The scalars are parameters of shape ``[1]``, not 0-dim: ``fully_shard`` refuses 0-dim
+parameters (open_clip offers the same shape, ``nonscalar_logit_scale=True``, for FSDP).
+Checkpoints of earlier releases (0-dim scalars; SigLIPLoss's earlier names ``log_scale`` and
+``bias``) still load: see ``_LossModule._load_from_state_dict``.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
 
 from distgrad._group import ProcessGroup
 from distgrad.collectives.all_reduce import all_reduce
+from distgrad.losses._compat import renamed
 from distgrad.losses.barlow_twins import barlow_twins
 from distgrad.losses.contrastive import clip_loss, info_nce, nt_xent, siglip_loss
 
@@ -25,27 +33,63 @@ __all__ = ["BarlowTwinsLoss", "CLIPLoss", "InfoNCELoss", "NTXentLoss", "SigLIPLo
 
 
 def _replicated(p: Tensor, group: ProcessGroup | None) -> Tensor:
-    """``p`` (the same on every rank); its gradient becomes the average over ranks."""
+    """``p`` (the same on every rank) as a 0-dim tensor; its gradient becomes the average over
+    ranks."""
     averaged = all_reduce(p, "avg", group)
-    return averaged + (p - averaged).detach()
+    return (averaged + (p - averaged).detach()).reshape(())
+
+
+def _parameter(value: float) -> nn.Parameter:
+    return nn.Parameter(torch.tensor([value]))  # [1], not 0-dim: see the module docstring
 
 
 def _log_parameter(value: float, name: str) -> nn.Parameter:
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"{name} must be finite and positive, got {value}")
-    return nn.Parameter(torch.tensor(math.log(value)))
+    return _parameter(math.log(value))
 
 
-class _Temperature(nn.Module):
+class _LossModule(nn.Module):
+    """What the loss modules share: loading the checkpoints of earlier releases."""
+
+    #: state_dict names of earlier releases, and today's name of each
+    _renamed: ClassVar[dict[str, str]] = {}
+
+    def _load_from_state_dict(
+        self,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        # Earlier releases stored the scalars 0-dim (and SigLIPLoss under other names): load
+        # them into today's [1]-shaped parameters. (torch copies the dict before loading.)
+        for old, new in self._renamed.items():
+            if prefix + old in state_dict and prefix + new not in state_dict:
+                state_dict[prefix + new] = state_dict.pop(prefix + old)
+        for name, param in self._parameters.items():
+            value = state_dict.get(prefix + name)
+            if isinstance(value, Tensor) and value.dim() == 0 and param is not None:
+                state_dict[prefix + name] = value.reshape(param.shape)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+
+
+class _Temperature(_LossModule):
     def __init__(
         self,
         temperature: float,
         learnable: bool,
+        normalize: bool,
         group: ProcessGroup | None,
         block_size: int | None,
     ) -> None:
         super().__init__()
-        self.group, self.block_size = group, block_size
+        self.normalize, self.group, self.block_size = normalize, group, block_size
         self.log_temperature = _log_parameter(temperature, "temperature")
         self.log_temperature.requires_grad_(learnable)
 
@@ -55,88 +99,127 @@ class _Temperature(nn.Module):
 
 class NTXentLoss(_Temperature):
     """:func:`~distgrad.losses.nt_xent` with a temperature (learnable with ``learnable=True``,
-    stored as its log)."""
+    stored as its log in the ``[1]`` parameter ``log_temperature``)."""
 
     def __init__(
         self,
         temperature: float = 0.5,
         *,
         learnable: bool = False,
+        normalize: bool = True,
         group: ProcessGroup | None = None,
         block_size: int | None = None,
     ) -> None:
-        super().__init__(temperature, learnable, group, block_size)
+        super().__init__(temperature, learnable, normalize, group, block_size)
 
     def forward(self, view1: Tensor, view2: Tensor) -> Tensor:
-        t = self.temperature()
-        return nt_xent(view1, view2, temperature=t, group=self.group, block_size=self.block_size)
+        return nt_xent(
+            view1,
+            view2,
+            temperature=self.temperature(),
+            normalize=self.normalize,
+            group=self.group,
+            block_size=self.block_size,
+        )
 
 
 class InfoNCELoss(_Temperature):
     """:func:`~distgrad.losses.info_nce` with a temperature (learnable with ``learnable=True``,
-    stored as its log)."""
+    stored as its log in the ``[1]`` parameter ``log_temperature``)."""
 
     def __init__(
         self,
         temperature: float = 0.1,
         *,
         learnable: bool = False,
+        normalize: bool = True,
         group: ProcessGroup | None = None,
         block_size: int | None = None,
     ) -> None:
-        super().__init__(temperature, learnable, group, block_size)
+        super().__init__(temperature, learnable, normalize, group, block_size)
 
     def forward(self, query: Tensor, key: Tensor) -> Tensor:
-        t = self.temperature()
-        return info_nce(query, key, temperature=t, group=self.group, block_size=self.block_size)
+        return info_nce(
+            query,
+            key,
+            temperature=self.temperature(),
+            normalize=self.normalize,
+            group=self.group,
+            block_size=self.block_size,
+        )
 
 
-class CLIPLoss(nn.Module):
+class CLIPLoss(_LossModule):
     """:func:`~distgrad.losses.clip_loss` with CLIP's learnable logit scale, stored as its log
-    (initialised to ``log(1/0.07)``) and clamped at ``max_logit_scale`` (100, as in CLIP)."""
+    in the ``[1]`` parameter ``log_logit_scale`` (initialised to ``log(1/0.07)``).
+
+    The scale used is clamped at ``max_logit_scale`` (100, as in CLIP) in the forward: above
+    it the scale's gradient is 0. open_clip instead clamps the parameter after each optimizer
+    step; for that behaviour pass ``max_logit_scale=math.inf`` and clamp after the step
+    (docs/losses.md, "Coming from open_clip").
+    """
 
     def __init__(
         self,
         logit_scale: float = 1 / 0.07,
         *,
         max_logit_scale: float = 100.0,
+        normalize: bool = True,
         group: ProcessGroup | None = None,
         block_size: int | None = None,
     ) -> None:
         super().__init__()
-        self.group, self.block_size = group, block_size
+        self.normalize, self.group, self.block_size = normalize, group, block_size
         self.max_logit_scale = max_logit_scale
         self.log_logit_scale = _log_parameter(logit_scale, "logit_scale")
 
     def forward(self, image: Tensor, text: Tensor) -> Tensor:
         scale = _replicated(self.log_logit_scale, self.group).exp().clamp(max=self.max_logit_scale)
         return clip_loss(
-            image, text, logit_scale=scale, group=self.group, block_size=self.block_size
+            image,
+            text,
+            scale,
+            normalize=self.normalize,
+            group=self.group,
+            block_size=self.block_size,
         )
 
 
-class SigLIPLoss(nn.Module):
-    """:func:`~distgrad.losses.siglip_loss` with SigLIP's learnable scale (stored as its log,
-    initialised to 10) and bias (initialised to -10)."""
+class SigLIPLoss(_LossModule):
+    """:func:`~distgrad.losses.siglip_loss` with SigLIP's learnable logit scale (stored as its
+    log in the ``[1]`` parameter ``log_logit_scale``, initialised to 10) and logit bias (the
+    ``[1]`` parameter ``logit_bias``, initialised to -10).
 
+    The keywords ``scale=`` and ``bias=`` of earlier releases still work and warn; checkpoints
+    with the earlier parameter names ``log_scale`` and ``bias`` still load.
+    """
+
+    _renamed: ClassVar[dict[str, str]] = {"log_scale": "log_logit_scale", "bias": "logit_bias"}
+
+    @renamed(scale="logit_scale", bias="logit_bias")
     def __init__(
         self,
-        scale: float = 10.0,
-        bias: float = -10.0,
+        logit_scale: float = 10.0,
+        logit_bias: float = -10.0,
         *,
+        normalize: bool = True,
         group: ProcessGroup | None = None,
         block_size: int | None = None,
     ) -> None:
         super().__init__()
-        self.group, self.block_size = group, block_size
-        self.log_scale = _log_parameter(scale, "scale")
-        self.bias = nn.Parameter(torch.tensor(float(bias)))
+        self.normalize, self.group, self.block_size = normalize, group, block_size
+        self.log_logit_scale = _log_parameter(logit_scale, "logit_scale")
+        self.logit_bias = _parameter(float(logit_bias))
 
     def forward(self, image: Tensor, text: Tensor) -> Tensor:
-        scale = _replicated(self.log_scale, self.group).exp()
-        bias = _replicated(self.bias, self.group)
         return siglip_loss(
-            image, text, scale=scale, bias=bias, group=self.group, block_size=self.block_size
+            image,
+            text,
+            _replicated(self.log_logit_scale, self.group).exp(),
+            _replicated(self.logit_bias, self.group),
+            normalize=self.normalize,
+            group=self.group,
+            block_size=self.block_size,
         )
 
 

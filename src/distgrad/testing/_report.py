@@ -306,7 +306,8 @@ def _diagnose(
     ranks_failing = {c.rank for c in failing if c.rank is not None}
     some_ranks_agree = bool(ranks_failing) and len(ranks_failing) < n
     if not some_ranks_agree:
-        out += _scale_diagnosis(failing, n, loss_factor, report.combine, rtol)
+        subject = _subject(failing, report.checks)
+        out += _scale_diagnosis(failing, subject, n, loss_factor, report.combine, rtol)
     if out:
         return out
     out += _rank_diagnosis(report, reference, results, sizes, dim, factor, rtol, atol)
@@ -335,8 +336,38 @@ def _share_advice(n: int) -> str:
     )
 
 
+def _subject(failing: Sequence[TensorCheck], checks: Sequence[TensorCheck]) -> str:
+    """What a diagnosis of the failing rows is about: "every gradient" only when every row
+    fails, else the tensors it names (with their ranks when only some fail) and those that
+    agree, e.g. "the gradient of k (q agrees) is"."""
+    if len(failing) == len(checks):
+        return "every gradient is"
+    names = list(dict.fromkeys(c.name for c in failing))
+    parts = []
+    for name in names:
+        rows = [c for c in checks if c.name == name]
+        bad = sorted(c.rank for c in failing if c.name == name and c.rank is not None)
+        partial = len(bad) < len([c for c in rows if c.rank is not None])
+        parts.append(f"{name} on ranks {bad}" if partial else name)
+    agree = [c.name for c in checks if c.name not in names]
+    agreeing = list(dict.fromkeys(agree))
+    text = ("the gradient of " if len(parts) == 1 else "the gradients of ") + _listing(parts)
+    if agreeing:
+        text += f" ({_listing(agreeing)} {'agrees' if len(agreeing) == 1 else 'agree'})"
+    return text + (" is" if len(parts) == 1 else " are")
+
+
+def _listing(items: Sequence[str]) -> str:
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
 def _scale_diagnosis(
-    failing: Sequence[TensorCheck], n: int, loss_factor: float, combine: Combine, rtol: float
+    failing: Sequence[TensorCheck],
+    subject: str,
+    n: int,
+    loss_factor: float,
+    combine: Combine,
+    rtol: float,
 ) -> list[str]:
     scales = [c.scale for c in failing]
     if any(s is None for s in scales):
@@ -347,9 +378,9 @@ def _scale_diagnosis(
     k = common[0]
     if _close(k, 1.0 / n, 1e-3):
         if _close(loss_factor, 1.0, rtol) and combine == "averaged":
-            return [f"every gradient is scaled by 1/{n}: " + _share_advice(n)]
+            return [f"{subject} scaled by 1/{n}: " + _share_advice(n)]
         return [
-            f"every gradient is scaled by 1/{n}: the backward keeps only this rank's part of "
+            f"{subject} scaled by 1/{n}: the backward keeps only this rank's part of "
             "the gradient (a GatherLayer whose backward returns only the local slice, "
             "objective='replicated', or overwriting this rank's slot of a raw all_gather). "
             "Use dg.all_gather with its default sum contract, whose backward sums every "
@@ -362,9 +393,9 @@ def _scale_diagnosis(
             else "check that each rank's loss is not already summed over ranks (for example "
             "with an all_reduce) before the backward"
         )
-        return [f"every gradient is scaled by {n}: {advice}."]
+        return [f"{subject} scaled by {n}: {advice}."]
     if not _close(k, 1.0, 1e-3):
-        return [f"every gradient is scaled by {k:.4g} against the single-process gradient."]
+        return [f"{subject} scaled by {k:.4g} against the single-process gradient."]
     return []
 
 

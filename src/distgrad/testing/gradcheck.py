@@ -1,13 +1,14 @@
 """Check distributed code against the same computation in one process on the whole batch.
 
-The user writes one function for one rank, ``fn(*shards)`` or ``fn(model, *shards)``, returning
-that rank's scalar loss. It may use distgrad collectives (which act on a group of one process
-when no process group exists, so the same function is its own single-process reference), a
-model, any loss. The checker runs it
+The user writes one function for one rank, ``fn(*shards)`` or ``fn(model, *shards)`` (a dict of
+inputs binds by parameter name: ``fn(model, **shards)``), returning that rank's scalar loss. It
+may use distgrad collectives (which act on a group of one process when no process group
+exists, so the same function is its own single-process reference), a model, any loss. The
+checker runs it
 
 1. once, in this process, on the whole batch: the reference loss and gradients;
-2. on ``world_size`` local processes, each on its shard of every input, each calling
-   ``loss.backward()``,
+2. on ``world_size`` local processes in distgrad's debug mode (every collective call validated
+   across ranks), each on its shard of every input, each calling ``loss.backward()``,
 
 and compares the losses, each rank's input gradients with its slice of the reference, and the
 parameter gradients combined over ranks the way training combines them (averaged, as
@@ -23,26 +24,24 @@ reads the losses and gradients for the likely cause (``_report``).
 
 from __future__ import annotations
 
+import inspect
+import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
+from distgrad._meta import set_debug
+from distgrad.errors import CheckArgumentError, NotALossError
 from distgrad.testing._report import Combine, GradReport, build_report
 from distgrad.testing.launch import run_on_ranks
 
-__all__ = ["check_against_single_process"]
+# The checker's errors live in distgrad.errors; importing them from here keeps working.
+__all__ = ["CheckArgumentError", "NotALossError", "check_against_single_process"]
 
 Inputs = Mapping[str, Tensor] | Sequence[Tensor]
-
-
-class NotALossError(TypeError):
-    """The checked function returned something other than a scalar tensor."""
-
-
-class CheckArgumentError(ValueError):
-    """The checker was given arguments it cannot use (before any process starts)."""
 
 
 @dataclass(frozen=True)
@@ -51,10 +50,12 @@ class _Job:
 
     fn: Callable[..., Tensor]
     names: tuple[str, ...]
+    by_name: bool  # a dict of inputs: pass them as keyword arguments
     shards: tuple[tuple[Tensor, ...], ...]  # shards[rank][i]: rank's slice of input i
     make_model: Callable[[], nn.Module] | None
     model_state: dict[str, Tensor] | None
     backward_ranks: tuple[int, ...] | None  # None: every rank back-propagates its loss
+    debug: bool
 
 
 @dataclass(frozen=True)
@@ -79,16 +80,26 @@ def check_against_single_process(
     atol: float | None = None,
     timeout: float = 120.0,
     raise_on_mismatch: bool = False,
+    debug: bool = True,
 ) -> GradReport:
     """Run ``fn`` on one process and on ``world_size`` processes and compare the gradients.
 
     ``fn(*shards)`` (or ``fn(model, *shards)`` when ``model`` is given) returns this rank's
-    scalar loss; ``inputs`` is a sequence or a name-to-tensor mapping of the global batch (passed
-    positionally in that order), each split along ``shard_dim`` into ``shard_sizes`` (default:
-    as even as possible, larger shards first); a 0-dim input (a temperature, say) goes whole to
-    every rank and its gradient is combined over ranks like a parameter's. Floating-point
-    inputs are differentiated. Run the checker under ``if __name__ == "__main__":`` in a
-    script: the ranks are started processes that import the script's module.
+    scalar loss. ``inputs`` is the global batch: a list or tuple of tensors, passed
+    positionally in that order, or a dict of name to tensor, passed by parameter name
+    (``fn(**shards)``, in whatever order ``fn`` declares them). Each is split along
+    ``shard_dim`` into ``shard_sizes`` (default: as even as possible, larger shards first); a
+    0-dim input (a temperature, say) goes whole to every rank and its gradient is combined over
+    ranks like a parameter's. Floating-point inputs are differentiated. Run the checker under
+    ``if __name__ == "__main__":`` in a script: the ranks are started processes that import the
+    script's module.
+
+    The single-process reference runs in this process, where no process group exists:
+    distgrad's collectives act on a group of one process there, but ``torch.distributed``
+    calls such as ``dist.get_world_size()`` raise (guard them with ``dist.is_initialized()``).
+    The ranks run in distgrad's debug mode (:func:`distgrad.set_debug`), which validates every
+    collective call across ranks, including where in the code each rank made it;
+    ``debug=False`` turns it off for code whose ranks legitimately call from different lines.
     ``model`` is a picklable zero-argument factory (a module-level function or class); every
     process gets the reference model's exact parameters. ``fn`` must be picklable too (defined
     at module level).
@@ -103,22 +114,27 @@ def check_against_single_process(
 
     Returns a :class:`GradReport`; with ``raise_on_mismatch=True`` a mismatch raises
     :class:`~distgrad.errors.GradientMismatchError` with the report's table and diagnosis.
+    Arguments it cannot use raise :class:`~distgrad.errors.CheckArgumentError`, and a function
+    that returns no scalar tensor :class:`~distgrad.errors.NotALossError`, before any process
+    starts.
     """
     if world_size < 1:
         raise CheckArgumentError(f"world_size must be at least 1, got {world_size}")
     if gradients not in ("averaged", "summed"):
         raise CheckArgumentError(f"gradients must be 'averaged' or 'summed', got {gradients!r}")
     names, tensors = _normalise(inputs)
+    by_name = isinstance(inputs, Mapping)
+    _check_binding(fn, names, by_name, model is not None)
     sizes = _shard_sizes(tensors, shard_dim, shard_sizes, world_size)
     rtol, atol = _tolerances(tensors, rtol, atol)
     reference_model = model() if model is not None else None
     state = _state_of(reference_model)
-    reference = _run_once(fn, names, tensors, reference_model)
+    reference = _reference_run(fn, names, by_name, tensors, reference_model)
     shards = tuple(
         tuple(torch.split(t, sizes, dim=shard_dim)[rank] if _shardable(t) else t for t in tensors)
         for rank in range(world_size)
     )
-    job = _Job(fn, names, shards, model, state, None)
+    job = _Job(fn, names, by_name, shards, model, state, None, debug)
     results = run_on_ranks(_rank_run, world_size, args=(job,), timeout=timeout)
 
     def probe() -> list[RunResult]:
@@ -134,7 +150,66 @@ def check_against_single_process(
 
 
 def _probe_job(job: _Job) -> _Job:
-    return _Job(job.fn, job.names, job.shards, job.make_model, job.model_state, (0,))
+    return replace(job, backward_ranks=(0,))
+
+
+def _check_binding(
+    fn: Callable[..., Tensor], names: Sequence[str], by_name: bool, has_model: bool
+) -> None:
+    """Raise CheckArgumentError, before any process starts, if ``fn`` cannot take the inputs."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return  # no signature to inspect (a builtin): let the call decide
+    prefix = [None] if has_model else []
+    model = "the model and " if has_model else ""
+    title = f"{getattr(fn, '__name__', 'fn')}{signature}"
+    try:
+        if by_name:
+            signature.bind(*prefix, **dict.fromkeys(names))
+        else:
+            signature.bind(*prefix, *names)
+    except TypeError as exc:
+        if by_name:
+            raise CheckArgumentError(
+                f"{title} cannot take {model}the inputs {', '.join(names)} by name ({exc}): a "
+                "dict's keys are bound to the function's parameters by name; rename the keys, "
+                "or pass a list or tuple to bind the inputs by position"
+            ) from None
+        raise CheckArgumentError(
+            f"{title} cannot take {model}{len(names)} input tensor(s) positionally "
+            f"({len(names) + len(prefix)} arguments): {exc}"
+        ) from None
+
+
+def _reference_run(
+    fn: Callable[..., Tensor],
+    names: Sequence[str],
+    by_name: bool,
+    tensors: Sequence[Tensor],
+    model: nn.Module | None,
+) -> RunResult:
+    """The single-process run; a torch.distributed call that needs a process group gets a hint."""
+    try:
+        return _run_once(fn, names, by_name, tensors, model)
+    except ValueError as exc:
+        if dist.is_initialized() or "process group has not been initialized" not in str(exc):
+            raise
+        _add_note(
+            exc,
+            "distgrad check: the single-process reference runs the function in this process, "
+            "without a process group (distgrad's collectives act on a group of one process "
+            "there). Guard torch.distributed calls: dist.get_world_size() if "
+            "dist.is_initialized() else 1, and likewise dist.get_rank() (0).",
+        )
+        raise
+
+
+def _add_note(exc: BaseException, note: str) -> None:
+    if hasattr(exc, "add_note"):  # Python 3.11+: shown under the traceback
+        exc.add_note(note)
+    else:
+        exc.args = (f"{exc.args[0] if exc.args else ''}\n{note}", *exc.args[1:])
 
 
 def _normalise(inputs: Inputs) -> tuple[tuple[str, ...], tuple[Tensor, ...]]:
@@ -194,12 +269,15 @@ def _state_of(model: nn.Module | None) -> dict[str, Tensor] | None:
 def _run_once(
     fn: Callable[..., Tensor],
     names: Sequence[str],
+    by_name: bool,
     tensors: Sequence[Tensor],
     model: nn.Module | None,
     backward: bool = True,
 ) -> RunResult:
     leaves = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in tensors]
-    loss = fn(model, *leaves) if model is not None else fn(*leaves)
+    prefix = [model] if model is not None else []
+    named = dict(zip(names, leaves, strict=True)) if by_name else {}
+    loss = fn(*prefix, **named) if by_name else fn(*prefix, *leaves)
     if not isinstance(loss, Tensor) or loss.numel() != 1:
         raise NotALossError(
             "the checked function must return this rank's loss as a scalar tensor, got "
@@ -221,8 +299,11 @@ def _grad(t: Tensor) -> Tensor | None:
 
 
 def _rank_run(rank: int, world_size: int, job: _Job) -> RunResult:
+    if job.debug:  # validate every collective call across ranks (docs/semantics.md)
+        os.environ["DISTGRAD_DEBUG"] = "1"
+        set_debug(True)
     model = job.make_model() if job.make_model is not None else None
     if model is not None and job.model_state is not None:
         model.load_state_dict(job.model_state)
     backward = job.backward_ranks is None or rank in job.backward_ranks
-    return _run_once(job.fn, job.names, job.shards[rank], model, backward=backward)
+    return _run_once(job.fn, job.names, job.by_name, job.shards[rank], model, backward=backward)
