@@ -19,6 +19,7 @@ takes no Python objects), as in torch's functional collectives.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed.distributed_c10d as c10d
@@ -29,6 +30,9 @@ from distgrad._group import Group, resolve
 
 __all__ = [
     "all_gather",
+    "group_named",
+    "keep_every_rank_running",
+    "traced",
     "all_reduce",
     "all_to_all",
     "broadcast",
@@ -40,19 +44,20 @@ __all__ = [
 ]
 
 
-def _traced(group: Group) -> bool:
+def traced(group: Group) -> bool:
     """Whether to emit a custom op: while compiling, for a real group (alone is plain torch)."""
     return group.pg is not None and torch.compiler.is_compiling()
 
 
-def _group(name: str) -> Group:
+def group_named(name: str) -> Group:
+    """The group a custom op names (its registered name, as torch's functional collectives)."""
     # torch's own registry of groups by name, which its functional collectives use too.
     found = c10d._resolve_process_group(name)  # type: ignore[attr-defined,arg-type]
     return resolve(found)
 
 
 def all_gather(x: Tensor, sizes: Sequence[int], group: Group) -> Tensor:
-    if _traced(group):
+    if traced(group):
         out: Tensor = torch.ops.distgrad.all_gather(x, list(sizes), group.name)
         return out
     return _comm.all_gather(x, sizes, group)
@@ -60,7 +65,7 @@ def all_gather(x: Tensor, sizes: Sequence[int], group: Group) -> Tensor:
 
 @torch.library.custom_op("distgrad::all_gather", mutates_args=())
 def _all_gather(x: Tensor, sizes: list[int], group: str) -> Tensor:
-    return _comm.all_gather(x, sizes, _group(group))
+    return _comm.all_gather(x, sizes, group_named(group))
 
 
 @_all_gather.register_fake
@@ -69,7 +74,7 @@ def _(x: Tensor, sizes: list[int], group: str) -> Tensor:
 
 
 def reduce_scatter(x: Tensor, sizes: Sequence[int], group: Group) -> Tensor:
-    if _traced(group):
+    if traced(group):
         out: Tensor = torch.ops.distgrad.reduce_scatter(x, list(sizes), group.rank, group.name)
         return out
     return _comm.reduce_scatter(x, sizes, group)
@@ -77,7 +82,7 @@ def reduce_scatter(x: Tensor, sizes: Sequence[int], group: Group) -> Tensor:
 
 @torch.library.custom_op("distgrad::reduce_scatter", mutates_args=())
 def _reduce_scatter(x: Tensor, sizes: list[int], rank: int, group: str) -> Tensor:
-    return _comm.reduce_scatter(x, sizes, _group(group))
+    return _comm.reduce_scatter(x, sizes, group_named(group))
 
 
 @_reduce_scatter.register_fake
@@ -88,7 +93,7 @@ def _(x: Tensor, sizes: list[int], rank: int, group: str) -> Tensor:
 def all_to_all(
     x: Tensor, input_sizes: Sequence[int], output_sizes: Sequence[int], group: Group
 ) -> Tensor:
-    if _traced(group):
+    if traced(group):
         out: Tensor = torch.ops.distgrad.all_to_all(
             x, list(input_sizes), list(output_sizes), group.name
         )
@@ -98,7 +103,7 @@ def all_to_all(
 
 @torch.library.custom_op("distgrad::all_to_all", mutates_args=())
 def _all_to_all(x: Tensor, input_sizes: list[int], output_sizes: list[int], group: str) -> Tensor:
-    return _comm.all_to_all(x, input_sizes, output_sizes, _group(group))
+    return _comm.all_to_all(x, input_sizes, output_sizes, group_named(group))
 
 
 @_all_to_all.register_fake
@@ -107,7 +112,7 @@ def _(x: Tensor, input_sizes: list[int], output_sizes: list[int], group: str) ->
 
 
 def all_reduce(x: Tensor, op: str, group: Group) -> Tensor:
-    if _traced(group):
+    if traced(group):
         out: Tensor = torch.ops.distgrad.all_reduce(x, op, group.name)
         return out
     return _comm.all_reduce(x, op, group)
@@ -115,7 +120,7 @@ def all_reduce(x: Tensor, op: str, group: Group) -> Tensor:
 
 @torch.library.custom_op("distgrad::all_reduce", mutates_args=())
 def _all_reduce(x: Tensor, op: str, group: str) -> Tensor:
-    return _comm.all_reduce(x, op, _group(group))
+    return _comm.all_reduce(x, op, group_named(group))
 
 
 @_all_reduce.register_fake
@@ -124,7 +129,7 @@ def _(x: Tensor, op: str, group: str) -> Tensor:
 
 
 def broadcast(x: Tensor, src: int, group: Group) -> Tensor:
-    if _traced(group):
+    if traced(group):
         out: Tensor = torch.ops.distgrad.broadcast(x, src, group.name)
         return out
     return _comm.broadcast(x, src, group)
@@ -132,7 +137,7 @@ def broadcast(x: Tensor, src: int, group: Group) -> Tensor:
 
 @torch.library.custom_op("distgrad::broadcast", mutates_args=())
 def _broadcast(x: Tensor, src: int, group: str) -> Tensor:
-    return _comm.broadcast(x, src, _group(group))
+    return _comm.broadcast(x, src, group_named(group))
 
 
 @_broadcast.register_fake
@@ -142,7 +147,7 @@ def _(x: Tensor, src: int, group: str) -> Tensor:
 
 def reduce(x: Tensor, dst: int, group: Group) -> Tensor:
     """The sum over ranks on ``dst``; zeros (a constant) on every other rank."""
-    if _traced(group):
+    if traced(group):
         out: Tensor = torch.ops.distgrad.reduce(x, dst, group.name)
         return out
     return _reduce_or_zeros(x, dst, group)
@@ -155,7 +160,7 @@ def _reduce_or_zeros(x: Tensor, dst: int, group: Group) -> Tensor:
 
 @torch.library.custom_op("distgrad::reduce", mutates_args=())
 def _reduce(x: Tensor, dst: int, group: str) -> Tensor:
-    return _reduce_or_zeros(x, dst, _group(group))
+    return _reduce_or_zeros(x, dst, group_named(group))
 
 
 @_reduce.register_fake
@@ -165,7 +170,7 @@ def _(x: Tensor, dst: int, group: str) -> Tensor:
 
 def gather(x: Tensor, sizes: Sequence[int], dst: int, group: Group) -> Tensor:
     """Every rank's ``x`` concatenated on ``dst``; an empty slice (0 rows) on every other rank."""
-    if _traced(group):
+    if traced(group):
         out: Tensor = torch.ops.distgrad.gather(x, list(sizes), dst, group.rank, group.name)
         return out
     return _gather_or_empty(x, sizes, dst, group)
@@ -178,7 +183,7 @@ def _gather_or_empty(x: Tensor, sizes: Sequence[int], dst: int, group: Group) ->
 
 @torch.library.custom_op("distgrad::gather", mutates_args=())
 def _gather(x: Tensor, sizes: list[int], dst: int, rank: int, group: str) -> Tensor:
-    return _gather_or_empty(x, sizes, dst, _group(group))
+    return _gather_or_empty(x, sizes, dst, group_named(group))
 
 
 @_gather.register_fake
@@ -195,7 +200,7 @@ def scatter(
     device: torch.device,
     group: Group,
 ) -> Tensor:
-    if _traced(group):
+    if traced(group):
         out: Tensor = torch.ops.distgrad.scatter(
             x, list(sizes), src, list(trailing), dtype, device, group.rank, group.name
         )
@@ -216,7 +221,7 @@ def _scatter(
 ) -> Tensor:
     # A slice of the receive buffer would share its storage, which a custom op's output may
     # not do with anything the caller can see; it is the buffer's only view, so this is cheap.
-    return _comm.scatter(x, sizes, src, trailing, dtype, device, _group(group)).clone()
+    return _comm.scatter(x, sizes, src, trailing, dtype, device, group_named(group)).clone()
 
 
 @_scatter.register_fake
@@ -234,7 +239,7 @@ def _(
 
 
 def permute(x: Tensor, perm: Sequence[int], recv_shape: Sequence[int], group: Group) -> Tensor:
-    if _traced(group):
+    if traced(group):
         out: Tensor = torch.ops.distgrad.permute(x, list(perm), list(recv_shape), group.name)
         return out
     return _comm.permute(x, perm, recv_shape, group)
@@ -242,7 +247,7 @@ def permute(x: Tensor, perm: Sequence[int], recv_shape: Sequence[int], group: Gr
 
 @torch.library.custom_op("distgrad::permute", mutates_args=())
 def _permute(x: Tensor, perm: list[int], recv_shape: list[int], group: str) -> Tensor:
-    return _comm.permute(x, perm, recv_shape, _group(group))
+    return _comm.permute(x, perm, recv_shape, group_named(group))
 
 
 @_permute.register_fake
@@ -250,10 +255,19 @@ def _(x: Tensor, perm: list[int], recv_shape: list[int], group: str) -> Tensor:
     return x.new_empty(recv_shape)
 
 
-# Every rank must run every exchange, even one whose output this rank does not use (a gather's
-# empty result off the destination): a custom op declares no side effects, so without this the
-# compiler would remove it there and leave the other ranks waiting.
-for _op in (
+def keep_every_rank_running(*ops: Any) -> None:
+    """Mark custom ops that communicate as side-effecting.
+
+    Every rank must run every exchange, even one whose output this rank does not use (a
+    gather's empty result off the destination): a custom op declares no side effects, so the
+    compiler would remove it there and leave the other ranks waiting (measured: a compiled
+    gather hung its destination until the timeout).
+    """
+    for op in ops:
+        torch.fx.node.has_side_effect(op.default)
+
+
+keep_every_rank_running(
     torch.ops.distgrad.all_gather,
     torch.ops.distgrad.reduce_scatter,
     torch.ops.distgrad.all_to_all,
@@ -263,5 +277,4 @@ for _op in (
     torch.ops.distgrad.gather,
     torch.ops.distgrad.scatter,
     torch.ops.distgrad.permute,
-):
-    torch.fx.node.has_side_effect(_op.default)
+)

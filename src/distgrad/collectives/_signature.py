@@ -32,6 +32,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from distgrad import _comm, _ops
 from distgrad._group import Group
 from distgrad._meta import (
     RankCall,
@@ -44,7 +45,17 @@ from distgrad._meta import (
 )
 from distgrad.errors import CollectiveArgumentError, CollectiveMismatchError
 
-__all__ = ["CHECKED_CALLS", "Choice", "Signature", "calls_so_far"]
+__all__ = [
+    "CHECKED_CALLS",
+    "Choice",
+    "Signature",
+    "assume_alike",
+    "break_for_sizes",
+    "calls_so_far",
+    "checks_this_call",
+    "sizes_along",
+    "sizes_from",
+]
 
 CHECKED_CALLS = 8
 """How many calls on each group are checked across ranks outside debug mode."""
@@ -57,6 +68,17 @@ _calls: dict[tuple[int, str], int] = {}
 def calls_so_far(group: Group) -> int:
     """How many checked-or-not distgrad calls this process has made on ``group``."""
     return _calls.get((id(group.pg), group.name), 0)
+
+
+def checks_this_call(group: Group, sizes_known: bool = True) -> bool:
+    """Whether the next call on ``group`` exchanges metadata (see the module docstring).
+
+    For checks that cost a host synchronisation (a tensor argument's value), which are made
+    only on the calls that are checked across ranks anyway.
+    """
+    if torch.compiler.is_compiling() or group.size == 1:
+        return False
+    return debug_enabled() or not sizes_known or calls_so_far(group) < CHECKED_CALLS
 
 
 def _next_call(group: Group) -> int:
@@ -98,6 +120,9 @@ class Signature:
     shapes: Shapes = "equal"
     tensor_on: Literal["every", "some"] = "every"
     known_by: str = "sizes"  # the argument that makes the output shape known (messages)
+    # Inside torch.compile, whether a call without ``known_by`` takes its peers' sizes to be
+    # its own (checked on the device by ``assume_alike``); otherwise the graph breaks there.
+    assumes_alike: bool = True
 
     def __post_init__(self) -> None:
         named(self.op)  # so that every rank can name this op when a peer calls it
@@ -119,16 +144,18 @@ class Signature:
 
         ``problem`` is this rank's own complaint about its arguments, if any; ``sizes_known``
         says whether this rank can compute the output shape without its peers (if not, the
-        call exchanges metadata).
+        call exchanges metadata; inside torch.compile it returns no calls when the signature
+        ``assumes_alike``, and the op calls :func:`assume_alike`).
         """
         values = values or {}
         lists = lists or {}
         problem = problem or _tensor_problem(x, self.tensor_on)
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() and not sizes_known and not self.assumes_alike:
+            # Its output's shape depends on its peers': only an exchange can tell.
+            break_for_sizes(desc, self.known_by)
+        elif torch.compiler.is_compiling() or group.size == 1:
             if problem is not None:
                 raise CollectiveArgumentError(f"{desc} on rank {group.rank}: {problem}")
-            if not sizes_known:
-                _break_for_sizes(desc)
             return group, None
         call = _next_call(group)
         if group.size > 1 and debug_enabled():
@@ -243,6 +270,26 @@ class Signature:
             )
 
 
+def sizes_along(
+    desc: str,
+    group: Group,
+    calls: Sequence[RankCall] | None,
+    given: Sequence[int] | None,
+    dim: int,
+    extent: int,
+) -> tuple[int, ...]:
+    """Every rank's extent along ``dim``: from the exchange when the call made one (checked
+    against ``given``), else ``given``; inside torch.compile without either, this rank's
+    extent on every rank, checked on the device (:func:`assume_alike`)."""
+    if calls is not None:
+        return sizes_from(desc, group, calls, given, dim)
+    if given is not None:
+        return tuple(given)
+    if group.size > 1:
+        assume_alike(desc, group, [extent], "sizes=")
+    return (extent,) * group.size
+
+
 def sizes_from(
     desc: str,
     group: Group,
@@ -269,11 +316,28 @@ def _tensor_problem(x: object, tensor_on: str) -> str | None:
     return f"x must be a torch.Tensor, got {type(x).__name__}"
 
 
-def _break_for_sizes(desc: str) -> None:
+def assume_alike(desc: str, group: Group, values: Sequence[int], known_by: str) -> None:
+    """Inside ``torch.compile``, where sizes not given cannot be learned (an output's shape
+    cannot depend on data), take every rank's ``values`` (its extent along dim, its shape) to
+    be this rank's, and check it on the device: one all_gather of a few int64 and an
+    asynchronous assertion, no host synchronisation. A rank whose values differ fails the
+    assertion, saying to pass ``known_by``."""
+    mine = torch.tensor(list(values), dtype=torch.int64, device=_comm.metadata_device(group))
+    every = _ops.all_gather(mine, [len(values)] * group.size, group)
+    torch._assert_async(
+        (every.view(group.size, len(values)) == mine).all(),
+        f"distgrad {desc}: inside torch.compile, a call without {known_by} takes every rank's "
+        f"sizes to be alike, and they are not; pass {known_by}",
+    )
+
+
+def break_for_sizes(desc: str, known_by: str) -> None:
+    """Inside ``torch.compile``, a call whose output shape depends on its peers' sizes cannot
+    be traced: break the graph there (``fullgraph=True`` raises this message; otherwise the
+    exchange runs outside the graph)."""
     torch._dynamo.graph_break(
-        msg=f"distgrad {desc}: sizes unknown inside torch.compile; pass sizes= (every rank's "
-        "extent along dim, e.g. [n] * world_size for even shards) so that no host "
-        "synchronisation is needed"
+        msg=f"distgrad {desc}: the output's shape depends on the other ranks' sizes, which "
+        f"torch.compile cannot learn without a host synchronisation; pass {known_by}"
     )
 
 

@@ -19,7 +19,7 @@ from distgrad._group import Group, ProcessGroup, resolve
 from distgrad.collectives import _common as c
 from distgrad.collectives._debug import check_backward_order, check_replicated
 from distgrad.collectives._local import reduce_stacked
-from distgrad.collectives._signature import Choice, Signature, sizes_from
+from distgrad.collectives._signature import Choice, Signature, sizes_along
 from distgrad.collectives.all_to_all import apply_all_to_all
 
 __all__ = ["all_gather", "apply_all_gather", "apply_reduce_scatter", "reduce_scatter"]
@@ -127,8 +127,10 @@ def all_gather(
     the dtype and the device type must match. ``sizes[i]`` is rank i's extent along ``dim``,
     the same list on every rank: pass it when you know it (``[n] * world_size`` for even
     shards) and the call sends nothing but the data; without it, the ranks first exchange
-    their sizes (one small all_gather and a host synchronisation), which also works inside
-    ``torch.compile`` only with a graph break. ``x`` is not modified.
+    their sizes (one small all_gather and a host synchronisation). Inside ``torch.compile``,
+    where shapes cannot depend on data, a call without ``sizes`` takes every rank's extent to
+    be this rank's and checks that on the device (one all_gather of 1 int64, no host
+    synchronisation; the assertion fails when they differ). ``x`` is not modified.
 
     Gradient (``objective="sum"``: the objective is the sum over ranks of each rank's loss):
     ``reduce_scatter(grad, op="sum", dim=dim)``; each rank receives the sum, over all ranks, of
@@ -158,8 +160,7 @@ def all_gather(
         dim=dim,
         sizes_known=sizes is not None,
     )
-    known = tuple(sizes) if sizes is not None else (c.extent(x, dim),) * g.size
-    plan_sizes = sizes_from(desc, g, calls, sizes, dim) if calls is not None else known
+    plan_sizes = sizes_along(desc, g, calls, sizes, dim, c.extent(x, dim))
     return apply_all_gather(x, g, plan_sizes, dim, objective)
 
 

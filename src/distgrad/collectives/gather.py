@@ -18,7 +18,7 @@ from distgrad._group import Group, ProcessGroup, resolve
 from distgrad._meta import RankCall
 from distgrad.collectives import _common as c
 from distgrad.collectives._debug import check_backward_order
-from distgrad.collectives._signature import Signature, sizes_from
+from distgrad.collectives._signature import Signature, sizes_along
 from distgrad.errors import CollectiveMismatchError
 
 __all__ = ["apply_gather", "gather", "scatter"]
@@ -29,7 +29,13 @@ GATHER = Signature(
 # Only the source and the receivers that pass a tensor like their part have a tensor; their
 # shapes agree outside dim. The receivers' sizes are checked against the source's below.
 SCATTER = Signature(
-    "scatter", fields=("src", "dim"), lists=("sizes",), shapes="except_dim", tensor_on="some"
+    "scatter",
+    fields=("src", "dim"),
+    lists=("sizes",),
+    shapes="except_dim",
+    tensor_on="some",
+    known_by="sizes= on every rank (and a tensor like its part on the receivers)",
+    assumes_alike=False,
 )
 
 
@@ -101,10 +107,11 @@ def gather(
     Ranks may pass different sizes along ``dim``; all other dims, the dtype and the device type
     must match. ``sizes[i]`` is rank i's extent along ``dim``, the same list on every rank:
     pass it and the call sends nothing but the data; without it the ranks first exchange their
-    sizes (one small all_gather and a host synchronisation). ``dst`` is a rank within
-    ``group``. Returns the concatenation on ``dst`` and, on every other rank, an empty tensor
-    (size 0 along ``dim``). Every rank must still back-propagate through its result, since the
-    backward is a collective. ``x`` is not modified.
+    sizes (one small all_gather and a host synchronisation), or inside ``torch.compile`` take
+    them to be alike and check that on the device, as :func:`all_gather` does. ``dst`` is a
+    rank within ``group``. Returns the concatenation on ``dst`` and, on every other rank, an
+    empty tensor (size 0 along ``dim``). Every rank must still back-propagate through its
+    result, since the backward is a collective. ``x`` is not modified.
 
     Gradient (the objective is the sum over ranks of each rank's loss):
     ``scatter(grad, src=dst, dim=dim, sizes=sizes)``: each rank's ``x`` gets its own slice of
@@ -131,8 +138,7 @@ def gather(
         dim=dim,
         sizes_known=sizes is not None,
     )
-    known = tuple(sizes) if sizes is not None else ()
-    plan_sizes = sizes_from(desc, g, calls, sizes, dim) if calls is not None else known
+    plan_sizes = sizes_along(desc, g, calls, sizes, dim, c.extent(x, dim))
     return apply_gather(x, g, plan_sizes, dim, dst)
 
 

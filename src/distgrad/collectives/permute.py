@@ -15,7 +15,7 @@ from distgrad._group import Group, ProcessGroup, resolve
 from distgrad._meta import show
 from distgrad.collectives import _common as c
 from distgrad.collectives._debug import check_backward_order
-from distgrad.collectives._signature import Signature
+from distgrad.collectives._signature import Signature, assume_alike
 from distgrad.errors import CollectiveMismatchError
 
 __all__ = ["permute"]
@@ -72,7 +72,8 @@ def permute(
     (each receives its source's shape); dtype and device type must match. ``recv_shape`` is the
     shape this rank receives: pass it on every rank (``x.shape`` when every rank sends the same
     shape) and the call sends nothing but the data; without it the ranks first exchange their
-    shapes (one small all_gather and a host synchronisation). ``x`` is not modified.
+    shapes (one small all_gather and a host synchronisation), or inside ``torch.compile`` take
+    every rank's shape to be this rank's and check that on the device. ``x`` is not modified.
 
     Gradient (the objective is the sum over ranks of each rank's loss): ``permute`` of the
     gradient with the inverse permutation: every gradient goes back to the rank that sent the
@@ -103,7 +104,9 @@ def permute(
         for call in calls:
             _check_recv_shape(desc, g, call.rank, call.lists[1], calls[perm.index(call.rank)].shape)
         wanted = calls[source].shape
-    assert wanted is not None
+    elif wanted is None:  # inside torch.compile: every rank's shape taken to be this rank's
+        assume_alike(desc, g, list(x.shape), "recv_shape=")
+        wanted = tuple(x.shape)
     return c.apply(_Permute, x, _Plan(g, perm, wanted, tuple(x.shape)))
 
 

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from torch import Tensor
 
 from distgrad import _ops
-from distgrad._group import Group, ProcessGroup, resolve
-from distgrad.collectives._signature import Signature, sizes_from
+from distgrad._group import Group
+from distgrad.collectives._signature import Signature, assume_alike, sizes_from
 
 __all__ = ["batch_sizes", "global_mean"]
 
@@ -30,7 +30,7 @@ _SIGNATURES = {
 def batch_sizes(
     name: str,
     x: Tensor,
-    group: ProcessGroup | None,
+    group: Group,
     problem: str | None,
     sizes: Sequence[int] | None = None,
 ) -> tuple[Group, tuple[int, ...]]:
@@ -38,21 +38,25 @@ def batch_sizes(
 
     ``problem`` is this rank's own complaint about its arguments (raised on every rank when the
     call is checked across ranks, at once on this rank otherwise). Without ``sizes`` the ranks
-    exchange their row counts (one small all_gather), which also checks the call.
+    exchange their row counts (one small all_gather and a host synchronisation), which also
+    checks the call; inside torch.compile they are taken to be alike and checked on the
+    device instead (``assume_alike``).
     """
-    g = resolve(group, name)
     if problem is None and sizes is not None:
-        if len(sizes) != g.size or any(not isinstance(s, int) or s < 0 for s in sizes):
-            problem = f"sizes must be {g.size} non-negative ints (one per rank), got {list(sizes)}"
-        elif sizes[g.rank] != len(x):
-            problem = f"sizes[{g.rank}] is {sizes[g.rank]}, but this rank has {len(x)} rows"
+        if len(sizes) != group.size or any(not isinstance(s, int) or s < 0 for s in sizes):
+            problem = f"sizes must be {group.size} non-negative ints (one per rank), got {sizes}"
+        elif sizes[group.rank] != len(x):
+            problem = f"sizes[{group.rank}] is {sizes[group.rank]}, but this rank has {len(x)} rows"
     g, calls = _SIGNATURES[name].check(
-        g, name, x, lists={"sizes": sizes}, problem=problem, sizes_known=sizes is not None
+        group, name, x, lists={"sizes": sizes}, problem=problem, sizes_known=sizes is not None
     )
     if calls is not None:
         return g, sizes_from(name, g, calls, sizes, 0)
-    assert sizes is not None
-    return g, tuple(sizes)
+    if sizes is not None:
+        return g, tuple(sizes)
+    if g.size > 1:  # inside torch.compile
+        assume_alike(name, g, [len(x), x.shape[1]], "sizes=")
+    return g, (len(x),) * g.size
 
 
 def global_mean(local_sum: Tensor, count: int, group: Group) -> Tensor:

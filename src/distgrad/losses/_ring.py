@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from distgrad import _comm
+from distgrad import _comm, _ops
 from distgrad._group import Group
 
 __all__ = ["KINDS", "ring_clip", "ring_reduce"]
@@ -59,6 +59,14 @@ class _Plan:
     def source(self, step: int) -> int:
         """The rank whose keys this rank holds after ``step`` shifts."""
         return (self.group.rank - step) % self.group.size
+
+    def args(self) -> tuple[list[int], int, str, bool, str]:
+        """The plan as a custom op's arguments (the group by its registered name)."""
+        return list(self.rows), self.block, self.kind, self.mask_self, self.group.name
+
+    @staticmethod
+    def of(rows: list[int], block: int, kind: str, mask_self: bool, group: str) -> _Plan:
+        return _Plan(_ops.group_named(group), tuple(rows), block, kind, mask_self)
 
 
 def _shift(x: Tensor, g: Group) -> tuple[Tensor, list[Any]]:
@@ -101,22 +109,61 @@ def _forward_block(a: Tensor, k: Tensor, s: Tensor, bias: Tensor, plan: _Plan, o
     return out
 
 
+def _reduce_forward(a: Tensor, k: Tensor, scale: Tensor, bias: Tensor, plan: _Plan) -> Tensor:
+    g, width = plan.group, max(plan.rows)
+    cur = F.pad(k, (0, 0, 0, width - k.shape[0]))  # [M, D]
+    out = a.new_full((a.shape[0],), float("-inf") if plan.kind == "lse" else 0.0)
+    for step in range(g.size):
+        nxt, works = _shift(cur, g) if step < g.size - 1 else (cur, [])
+        part = _forward_block(a, cur[: plan.rows[plan.source(step)]], scale, bias, plan, step == 0)
+        out = torch.logaddexp(out, part) if plan.kind == "lse" else out + part
+        _wait(works)
+        cur = nxt
+    return out
+
+
+def _reduce_backward(
+    a: Tensor, k: Tensor, scale: Tensor, bias: Tensor, out: Tensor, grad: Tensor, plan: _Plan
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    g, width, dim = plan.group, max(plan.rows), k.shape[1]
+    da, ds, db = torch.zeros_like(a), torch.zeros_like(scale), torch.zeros_like(bias)
+    # [M, 2D]: the keys and their gradient accumulator travel together
+    cur = torch.cat([F.pad(k, (0, 0, 0, width - k.shape[0])), k.new_zeros(width, dim)], 1)
+    for step in range(g.size):
+        rows = plan.rows[plan.source(step)]
+        keys, acc = cur[:rows, :dim], cur[:rows, dim:]
+        for start in range(0, rows, plan.block):
+            kb = keys[start : start + plan.block]
+            raw, w = _chunk_logits(a, kb, scale, bias)  # w: [n, b], becomes dL/dlogits
+            if plan.kind == "lse":
+                if step == 0 and plan.mask_self:
+                    _mask_diagonal(w, start)
+                w.sub_(out[:, None]).exp_()
+            else:
+                w.sigmoid_()
+            w.mul_(grad[:, None])
+            ds += torch.vdot(w.flatten(), raw.flatten())
+            db += w.sum()
+            w.mul_(scale)  # dL/draw; a tensor, never read on the host (no synchronisation)
+            da.addmm_(w, kb)
+            acc[start : start + plan.block].addmm_(w.T, a)
+        last = step == g.size - 1
+        send = cur[:, dim:].contiguous() if last else cur
+        nxt, works = _shift(send, g) if g.size > 1 else (send, [])
+        _wait(works)
+        cur = nxt
+    return da, cur[: k.shape[0], -dim:].contiguous(), ds, db
+
+
 class _RingReduce(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: FunctionCtx, a: Tensor, k: Tensor, scale: Tensor, bias: Tensor, plan: _Plan
     ) -> Tensor:
-        g, width = plan.group, max(plan.rows)
-        cur = F.pad(k, (0, 0, 0, width - k.shape[0]))  # [M, D]
-        out = a.new_full((a.shape[0],), float("-inf") if plan.kind == "lse" else 0.0)
-        for step in range(g.size):
-            nxt, works = _shift(cur, g) if step < g.size - 1 else (cur, [])
-            part = _forward_block(
-                a, cur[: plan.rows[plan.source(step)]], scale, bias, plan, step == 0
-            )
-            out = torch.logaddexp(out, part) if plan.kind == "lse" else out + part
-            _wait(works)
-            cur = nxt
+        if _ops.traced(plan.group):
+            out: Tensor = torch.ops.distgrad.ring_reduce(a, k, scale, bias, *plan.args())
+        else:
+            out = _reduce_forward(a, k, scale, bias, plan)
         ctx.save_for_backward(a, k, scale, bias, out)
         ctx.plan = plan  # type: ignore[attr-defined]
         return out
@@ -126,42 +173,14 @@ class _RingReduce(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         a, k, scale, bias, out = ctx.saved_tensors
         plan: _Plan = ctx.plan
-        g, width, dim = plan.group, max(plan.rows), k.shape[1]
-        alpha = float(scale)
-        da, ds, db = torch.zeros_like(a), torch.zeros_like(scale), torch.zeros_like(bias)
-        # [M, 2D]: the keys and their gradient accumulator travel together
-        cur = torch.cat([F.pad(k, (0, 0, 0, width - k.shape[0])), k.new_zeros(width, dim)], 1)
-        for step in range(g.size):
-            rows = plan.rows[plan.source(step)]
-            keys, acc = cur[:rows, :dim], cur[:rows, dim:]
-            for start in range(0, rows, plan.block):
-                kb = keys[start : start + plan.block]
-                raw, w = _chunk_logits(a, kb, scale, bias)  # w: [n, b], becomes dL/dlogits
-                if plan.kind == "lse":
-                    if step == 0 and plan.mask_self:
-                        _mask_diagonal(w, start)
-                    w.sub_(out[:, None]).exp_()
-                else:
-                    w.sigmoid_()
-                w.mul_(grad[:, None])
-                ds += torch.vdot(w.flatten(), raw.flatten())
-                db += w.sum()
-                da.addmm_(w, kb, alpha=alpha)
-                acc[start : start + plan.block].addmm_(w.T, a, alpha=alpha)
-            last = step == g.size - 1
-            send = cur[:, dim:].contiguous() if last else cur
-            nxt, works = _shift(send, g) if g.size > 1 else (send, [])
-            _wait(works)
-            cur = nxt
-        dk = cur[: k.shape[0], -dim:]
+        if _ops.traced(plan.group):
+            grads = torch.ops.distgrad.ring_reduce_backward(
+                a, k, scale, bias, out, grad, *plan.args()
+            )
+        else:
+            grads = _reduce_backward(a, k, scale, bias, out, grad, plan)
         need = ctx.needs_input_grad
-        return (
-            da if need[0] else None,
-            dk.contiguous() if need[1] else None,
-            ds if need[2] else None,
-            db if need[3] else None,
-            None,
-        )
+        return (*(gr if n else None for gr, n in zip(grads, need, strict=False)), None)
 
 
 def ring_reduce(
@@ -193,6 +212,57 @@ def _send_on(x: Tensor, g: Group) -> Tensor:
     return out
 
 
+def _clip_forward(x: Tensor, y: Tensor, scale: Tensor, plan: _Plan) -> tuple[Tensor, Tensor]:
+    g, width, dim, b = plan.group, max(plan.rows), y.shape[1], plan.block
+    # [M, D + 1]: the texts and their running column logsumexp
+    cur = torch.cat([F.pad(y, (0, 0, 0, width - len(y))), y.new_full((width, 1), -math.inf)], 1)
+    row = x.new_full((len(x),), -math.inf)
+    for step in range(g.size):
+        rows = plan.rows[plan.source(step)]
+        keys, col = cur[:rows, :dim], cur[:rows, dim]
+        for start in range(0, rows, b):
+            logits = (x @ keys[start : start + b].T).mul_(scale)  # [n, b]
+            row = torch.logaddexp(row, logits.logsumexp(1))
+            col[start : start + b] = torch.logaddexp(col[start : start + b], logits.logsumexp(0))
+        cur = _send_on(cur, g)  # W shifts: the last one brings each block home
+    return row, cur[: len(y), dim].clone()
+
+
+def _clip_backward(
+    x: Tensor,
+    y: Tensor,
+    scale: Tensor,
+    row: Tensor,
+    col_lse: Tensor,
+    g_row: Tensor,
+    g_col: Tensor,
+    plan: _Plan,
+) -> tuple[Tensor, Tensor, Tensor]:
+    g, width, dim, b = plan.group, max(plan.rows), y.shape[1], plan.block
+    dx, ds = torch.zeros_like(x), torch.zeros_like(scale)
+    pad = width - len(y)
+    # [M, 2D + 2]: texts | their gradient accumulator | column logsumexp | column gradient
+    parts = [y, torch.zeros_like(y), col_lse[:, None], g_col[:, None]]
+    cur = torch.cat([F.pad(p, (0, 0, 0, pad)) for p in parts], 1)
+    for step in range(g.size):
+        rows = plan.rows[plan.source(step)]
+        keys, acc = cur[:rows, :dim], cur[:rows, dim : 2 * dim]
+        col, g_c = cur[:rows, 2 * dim], cur[:rows, 2 * dim + 1]
+        for start in range(0, rows, b):
+            cols = slice(start, start + b)
+            raw = x @ keys[cols].T  # [n, b]
+            logits = raw * scale
+            w = (logits - row[:, None]).exp_().mul_(g_row[:, None])  # image -> text softmax
+            w += logits.sub_(col[None, cols]).exp_().mul_(g_c[None, cols])  # text -> image
+            ds += torch.vdot(w.flatten(), raw.flatten())
+            w.mul_(scale)  # dL/draw, without reading the scale on the host
+            dx.addmm_(w, keys[cols])
+            acc[cols].addmm_(w.T, x)
+        last = step == g.size - 1
+        cur = _send_on(cur[:, dim : 2 * dim] if last else cur, g)
+    return dx, cur[: len(y)].contiguous(), ds  # dy: the accumulator, home
+
+
 class _RingClip(torch.autograd.Function):
     """CLIP's two directions from one pass over the blocks of ``S = s X Y^T``: the row
     logsumexps are the images' (local), the column logsumexps are the texts', accumulated
@@ -202,21 +272,10 @@ class _RingClip(torch.autograd.Function):
     def forward(  # type: ignore[override]
         ctx: FunctionCtx, x: Tensor, y: Tensor, scale: Tensor, plan: _Plan
     ) -> tuple[Tensor, Tensor]:
-        g, width, dim, b = plan.group, max(plan.rows), y.shape[1], plan.block
-        # [M, D + 1]: the texts and their running column logsumexp
-        cur = torch.cat([F.pad(y, (0, 0, 0, width - len(y))), y.new_full((width, 1), -math.inf)], 1)
-        row = x.new_full((len(x),), -math.inf)
-        for step in range(g.size):
-            rows = plan.rows[plan.source(step)]
-            keys, col = cur[:rows, :dim], cur[:rows, dim]
-            for start in range(0, rows, b):
-                logits = (x @ keys[start : start + b].T).mul_(scale)  # [n, b]
-                row = torch.logaddexp(row, logits.logsumexp(1))
-                col[start : start + b] = torch.logaddexp(
-                    col[start : start + b], logits.logsumexp(0)
-                )
-            cur = _send_on(cur, g)  # W shifts: the last one brings each block home
-        col_lse = cur[: len(y), dim].clone()
+        if _ops.traced(plan.group):
+            row, col_lse = torch.ops.distgrad.ring_clip(x, y, scale, *plan.args())
+        else:
+            row, col_lse = _clip_forward(x, y, scale, plan)
         ctx.save_for_backward(x, y, scale, row, col_lse)
         ctx.plan = plan  # type: ignore[attr-defined]
         return row, col_lse
@@ -226,36 +285,14 @@ class _RingClip(torch.autograd.Function):
     def backward(ctx: Any, g_row: Tensor, g_col: Tensor) -> tuple[Tensor | None, ...]:
         x, y, scale, row, col_lse = ctx.saved_tensors
         plan: _Plan = ctx.plan
-        g, width, dim, b = plan.group, max(plan.rows), y.shape[1], plan.block
-        alpha = float(scale)
-        dx, ds = torch.zeros_like(x), torch.zeros_like(scale)
-        pad = width - len(y)
-        # [M, 2D + 2]: texts | their gradient accumulator | column logsumexp | column gradient
-        parts = [y, torch.zeros_like(y), col_lse[:, None], g_col[:, None]]
-        cur = torch.cat([F.pad(p, (0, 0, 0, pad)) for p in parts], 1)
-        for step in range(g.size):
-            rows = plan.rows[plan.source(step)]
-            keys, acc = cur[:rows, :dim], cur[:rows, dim : 2 * dim]
-            col, g_c = cur[:rows, 2 * dim], cur[:rows, 2 * dim + 1]
-            for start in range(0, rows, b):
-                cols = slice(start, start + b)
-                raw = x @ keys[cols].T  # [n, b]
-                logits = raw * scale
-                w = (logits - row[:, None]).exp_().mul_(g_row[:, None])  # image -> text softmax
-                w += logits.sub_(col[None, cols]).exp_().mul_(g_c[None, cols])  # text -> image
-                ds += torch.vdot(w.flatten(), raw.flatten())
-                dx.addmm_(w, keys[cols], alpha=alpha)
-                acc[cols].addmm_(w.T, x, alpha=alpha)
-            last = step == g.size - 1
-            cur = _send_on(cur[:, dim : 2 * dim] if last else cur, g)
-        dy = cur[: len(y)]  # [B_l, D]: the accumulator, home
+        if _ops.traced(plan.group):
+            grads = torch.ops.distgrad.ring_clip_backward(
+                x, y, scale, row, col_lse, g_row, g_col, *plan.args()
+            )
+        else:
+            grads = _clip_backward(x, y, scale, row, col_lse, g_row, g_col, plan)
         need = ctx.needs_input_grad
-        return (
-            dx if need[0] else None,
-            dy.contiguous() if need[1] else None,
-            ds if need[2] else None,
-            None,
-        )
+        return (*(gr if n else None for gr, n in zip(grads, need, strict=False)), None)
 
 
 def ring_clip(
@@ -280,3 +317,117 @@ def ring_clip(
     plan = _Plan(group, rows, block, "lse", False)
     row, col = _RingClip.apply(image, text, scale, plan)  # type: ignore[no-untyped-call]
     return row, col
+
+
+# The ring's passes as torch.library custom ops, for torch.compile (see distgrad._ops: the same
+# code runs, as one opaque node whose fake kernel gives the output shapes).
+
+
+@torch.library.custom_op("distgrad::ring_reduce", mutates_args=())
+def _ring_reduce_op(
+    a: Tensor,
+    k: Tensor,
+    scale: Tensor,
+    bias: Tensor,
+    rows: list[int],
+    block: int,
+    kind: str,
+    mask_self: bool,
+    group: str,
+) -> Tensor:
+    return _reduce_forward(a, k, scale, bias, _Plan.of(rows, block, kind, mask_self, group))
+
+
+@_ring_reduce_op.register_fake
+def _(a: Tensor, k: Tensor, scale: Tensor, bias: Tensor, *plan: object) -> Tensor:
+    return a.new_empty((a.shape[0],))
+
+
+@torch.library.custom_op("distgrad::ring_reduce_backward", mutates_args=())
+def _ring_reduce_backward_op(
+    a: Tensor,
+    k: Tensor,
+    scale: Tensor,
+    bias: Tensor,
+    out: Tensor,
+    grad: Tensor,
+    rows: list[int],
+    block: int,
+    kind: str,
+    mask_self: bool,
+    group: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    plan = _Plan.of(rows, block, kind, mask_self, group)
+    return _reduce_backward(a, k, scale, bias, out, grad, plan)
+
+
+@_ring_reduce_backward_op.register_fake
+def _(
+    a: Tensor, k: Tensor, scale: Tensor, bias: Tensor, out: Tensor, grad: Tensor, *plan: object
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return (
+        torch.empty_like(a),
+        torch.empty_like(k),
+        torch.empty_like(scale),
+        torch.empty_like(bias),
+    )
+
+
+@torch.library.custom_op("distgrad::ring_clip", mutates_args=())
+def _ring_clip_op(
+    x: Tensor,
+    y: Tensor,
+    scale: Tensor,
+    rows: list[int],
+    block: int,
+    kind: str,
+    mask_self: bool,
+    group: str,
+) -> tuple[Tensor, Tensor]:
+    return _clip_forward(x, y, scale, _Plan.of(rows, block, kind, mask_self, group))
+
+
+@_ring_clip_op.register_fake
+def _(x: Tensor, y: Tensor, scale: Tensor, *plan: object) -> tuple[Tensor, Tensor]:
+    return x.new_empty((x.shape[0],)), y.new_empty((y.shape[0],))
+
+
+@torch.library.custom_op("distgrad::ring_clip_backward", mutates_args=())
+def _ring_clip_backward_op(
+    x: Tensor,
+    y: Tensor,
+    scale: Tensor,
+    row: Tensor,
+    col_lse: Tensor,
+    g_row: Tensor,
+    g_col: Tensor,
+    rows: list[int],
+    block: int,
+    kind: str,
+    mask_self: bool,
+    group: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    plan = _Plan.of(rows, block, kind, mask_self, group)
+    return _clip_backward(x, y, scale, row, col_lse, g_row, g_col, plan)
+
+
+@_ring_clip_backward_op.register_fake
+def _(
+    x: Tensor,
+    y: Tensor,
+    scale: Tensor,
+    row: Tensor,
+    col_lse: Tensor,
+    g_row: Tensor,
+    g_col: Tensor,
+    *plan: object,
+) -> tuple[Tensor, Tensor, Tensor]:
+    return torch.empty_like(x), torch.empty_like(y), torch.empty_like(scale)
+
+
+_ops.keep_every_rank_running(
+    torch.ops.distgrad.ring_reduce,
+    torch.ops.distgrad.ring_reduce_backward,
+    torch.ops.distgrad.ring_clip,
+    torch.ops.distgrad.ring_clip_backward,
+)

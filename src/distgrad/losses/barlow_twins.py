@@ -5,10 +5,12 @@ Legend: ``B`` the global batch, ``B_l`` this rank's rows, ``D`` the embedding di
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
-from distgrad._group import ProcessGroup
+from distgrad._group import ProcessGroup, resolve
 from distgrad.collectives.all_reduce import apply_all_reduce
 from distgrad.losses._global import batch_sizes
 from distgrad.losses.contrastive import _pair_problem
@@ -23,6 +25,7 @@ def barlow_twins(
     lambda_offdiag: float = 5e-3,
     eps: float = 1e-5,
     group: ProcessGroup | None = None,
+    sizes: Sequence[int] | None = None,
 ) -> Tensor:
     """Barlow Twins: push the cross-correlation of the two views' embeddings to the identity.
 
@@ -35,23 +38,30 @@ def barlow_twins(
     under the sum contract each rank's gradient is world_size times its part of ``dL/dz``, so
     DistributedDataParallel's averaging gives exactly the single-process gradient.
 
+    ``sizes`` is every rank's row count, the same list on every rank (``[B_l] * world_size``
+    for even shards); without it the ranks first exchange their row counts. The statistics are
+    computed in float32 at least, with autocast off (``contrastive._unit`` says why).
+
     Communication: forward 5 all_reduces, of statistics only (two [D] means, two [D]
-    variances, one [D, D] correlation), never of the embeddings, plus the exchange of the
-    ranks' row counts; backward the same all_reduces of their gradients. Memory: [B_l, D] and
-    [D, D].
+    variances, one [D, D] correlation), never of the embeddings, plus the row-count exchange
+    when ``sizes`` is not given; backward the same all_reduces of their gradients. Memory:
+    [B_l, D] and [D, D].
     """
+    g = resolve(group, "barlow_twins")
     problem = _pair_problem(view1, view2, "view1 and view2")
-    g, sizes = batch_sizes("barlow_twins", view2, group, problem)
-    count = sum(sizes)
+    g, rows = batch_sizes("barlow_twins", view2, g, problem, sizes)
+    count = sum(rows)
 
     def standardise(z: Tensor) -> Tensor:
+        z = z.to(torch.promote_types(z.dtype, torch.float32))
         mean = apply_all_reduce(z.sum(0), g, "sum") / count
         centred = z - mean
         var = apply_all_reduce((centred**2).sum(0), g, "sum") / count
         return centred / torch.sqrt(var + eps)
 
-    corr = apply_all_reduce(standardise(view1).T @ standardise(view2), g, "sum") / count
-    diagonal = corr.diagonal()
-    on = (1 - diagonal).pow(2).sum()
-    off = corr.pow(2).sum() - diagonal.pow(2).sum()
-    return on + lambda_offdiag * off
+    with torch.autocast(view2.device.type, enabled=False):
+        corr = apply_all_reduce(standardise(view1).T @ standardise(view2), g, "sum") / count
+        diagonal = corr.diagonal()
+        on = (1 - diagonal).pow(2).sum()
+        off = corr.pow(2).sum() - diagonal.pow(2).sum()
+        return on + lambda_offdiag * off

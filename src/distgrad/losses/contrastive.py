@@ -9,6 +9,14 @@ Value and gradient: every rank returns the global mean loss; its gradient is wor
 that of its share, so that DistributedDataParallel's averaging gives exactly the single-process
 gradient (``_global.global_mean``).
 
+``sizes``: every rank's row count, the same list on every rank (``[B_l] * world_size`` for
+even shards). With it a loss sends nothing but the embeddings and the value; without it the
+ranks first exchange their row counts (one small all_gather and a host synchronisation), and
+inside ``torch.compile`` take them to be alike and check that on the device.
+
+Precision: the loss computes in float32 at least, with autocast off, whatever the inputs'
+dtype (``_unit`` says why); the gradients flow back in the inputs' dtype.
+
 ``block_size``: None (default) takes the dense path above. An int takes the memory-efficient
 path (``_ring``): the keys go round the ring of ranks instead of being gathered, and no rank
 ever holds more than ``[anchors, block_size]`` logits, forward or backward (the backward
@@ -22,12 +30,15 @@ accumulators) and one of [max B_l, D]; compute 4/3 of the dense path's matmuls, 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from distgrad._group import Group, ProcessGroup
+from distgrad._group import Group, ProcessGroup, resolve
+from distgrad.collectives._signature import checks_this_call
 from distgrad.collectives.all_gather import apply_all_gather
 from distgrad.losses._compat import renamed
 from distgrad.losses._global import batch_sizes, global_mean
@@ -39,6 +50,8 @@ Scalar = float | Tensor
 
 
 def _pair_problem(a: Tensor, b: Tensor, names: str) -> str | None:
+    if not isinstance(a, Tensor) or not isinstance(b, Tensor):
+        return f"{names} must be tensors, got {type(a).__name__} and {type(b).__name__}"
     if a.dim() != 2 or b.dim() != 2:
         shapes = f"{tuple(a.shape)} and {tuple(b.shape)}"
         return f"{names} must be [batch, dim] matrices, got shapes {shapes}"
@@ -48,10 +61,15 @@ def _pair_problem(a: Tensor, b: Tensor, names: str) -> str | None:
     return None
 
 
-def _positive_problem(name: str, value: Scalar) -> str | None:
-    number = float(value.detach()) if isinstance(value, Tensor) else float(value)
-    if not math.isfinite(number) or number <= 0:
-        return f"{name} must be finite and positive, got {number}"
+def _positive_problem(name: str, value: Scalar, checked: bool) -> str | None:
+    """Whether ``value`` is finite and positive. A tensor's value is read (a host
+    synchronisation) only on ``checked`` calls, those checked across ranks anyway."""
+    if isinstance(value, Tensor):
+        if not checked:
+            return None
+        value = float(value.detach())
+    if not math.isfinite(value) or value <= 0:
+        return f"{name} must be finite and positive, got {value}"
     return None
 
 
@@ -61,8 +79,43 @@ def _block_problem(block_size: int | None) -> str | None:
     return f"block_size must be None (dense) or a positive int, got {block_size!r}"
 
 
+def _check(
+    name: str,
+    a: Tensor,
+    b: Tensor,
+    names: str,
+    positive: dict[str, Scalar],
+    group: ProcessGroup | None,
+    sizes: Sequence[int] | None,
+    block_size: int | None,
+) -> tuple[Group, tuple[int, ...]]:
+    """Check a contrastive loss's arguments (across ranks where calls are checked) and return
+    the group and every rank's row count."""
+    g = resolve(group, name)
+    checked = checks_this_call(g, sizes is not None)
+    problem = _pair_problem(a, b, names) or _block_problem(block_size)
+    for what, value in positive.items():
+        problem = problem or _positive_problem(what, value, checked)
+    return batch_sizes(name, b, g, problem, sizes)
+
+
+@contextmanager
+def _float32(x: Tensor) -> Iterator[None]:
+    """Where the loss computes: autocast off, so the logits and their reductions stay in the
+    inputs' precision, which ``_unit`` raises to float32 at least (see ``_unit``)."""
+    with torch.autocast(x.device.type, enabled=False):
+        yield
+
+
 def _unit(x: Tensor, normalize: bool) -> Tensor:
-    """``x``'s rows L2-normalised, or ``x`` itself for features the model already normalised."""
+    """``x`` in float32 at least, its rows L2-normalised (unless the model already did).
+
+    Why float32: a bfloat16 cosine similarity carries an error of about 4e-3, which a
+    temperature of 0.07 makes 0.06 in the logits, and a softmax over thousands of logits sums
+    them; the logits are [B_l, B] against the encoder's work, so float32 costs little. The
+    gathered embeddings travel in float32 too (B x D values per step).
+    """
+    x = x.to(torch.promote_types(x.dtype, torch.float32))
     return F.normalize(x, dim=1) if normalize else x
 
 
@@ -78,6 +131,7 @@ def info_nce(
     temperature: Scalar = 0.1,
     normalize: bool = True,
     group: ProcessGroup | None = None,
+    sizes: Sequence[int] | None = None,
     block_size: int | None = None,
 ) -> Tensor:
     """InfoNCE: each query's positive is the key of the same global row; negatives are all other
@@ -87,23 +141,22 @@ def info_nce(
     (both L2-normalised here; ``normalize=False`` takes the embeddings as given, for features
     the model already normalised). ``temperature`` may be a tensor that requires grad.
 
-    Communication: forward 1 all_gather of the keys [B_l, D] (plus two metadata handshakes and
-    a scalar all_reduce for the value); backward 1 reduce-scatter of [B, D]. Memory: [B_l, B].
+    Communication: forward 1 all_gather of the keys [B_l, D] and a scalar all_reduce for the
+    value; backward 1 reduce-scatter of [B, D]. Memory: [B_l, B]. The row-count exchange and
+    the precision are common to every loss (module docstring).
     """
-    problem = (
-        _pair_problem(query, key, "query and key")
-        or _positive_problem("temperature", temperature)
-        or _block_problem(block_size)
-    )
-    g, sizes = batch_sizes("info_nce", key, group, problem)
-    q, k = _unit(query, normalize), _unit(key, normalize)
-    if block_size is not None:
-        return _ring_info_nce(q, k, 1 / _scalar(temperature, q), g, sizes, block_size)
-    keys = apply_all_gather(k, g, sizes, 0)  # [B, D]
-    offset, total = sum(sizes[: g.rank]), sum(sizes)
-    logits = q @ keys.T / temperature  # [B_l, B]; positives at column offset + i
-    labels = torch.arange(len(q), device=q.device) + offset
-    return global_mean(F.cross_entropy(logits, labels, reduction="sum"), total, g)
+    temp = {"temperature": temperature}
+    g, rows = _check("info_nce", query, key, "query and key", temp, group, sizes, block_size)
+    with _float32(key):
+        q, k = _unit(query, normalize), _unit(key, normalize)
+        t = _scalar(temperature, q)
+        if block_size is not None:
+            return _ring_info_nce(q, k, 1 / t, g, rows, block_size)
+        keys = apply_all_gather(k, g, rows, 0)  # [B, D]
+        offset, total = sum(rows[: g.rank]), sum(rows)
+        logits = q @ keys.T / t  # [B_l, B]; positives at column offset + i
+        labels = torch.arange(len(q), device=q.device) + offset
+        return global_mean(F.cross_entropy(logits, labels, reduction="sum"), total, g)
 
 
 def clip_loss(
@@ -113,6 +166,7 @@ def clip_loss(
     *,
     normalize: bool = True,
     group: ProcessGroup | None = None,
+    sizes: Sequence[int] | None = None,
     block_size: int | None = None,
 ) -> Tensor:
     """CLIP's symmetric InfoNCE: images against all texts and texts against all images.
@@ -122,24 +176,22 @@ def clip_loss(
     arguments sit where open_clip's ``ClipLoss()(image_features, text_features, logit_scale)``
     has them; ``normalize=False`` takes features the model already L2-normalised as given.
 
-    Communication: forward 2 all_gathers of [B_l, D]; backward 2 reduce-scatters of [B, D].
-    Memory: two [B_l, B] logit blocks.
+    Communication: forward 2 all_gathers of [B_l, D] and a scalar all_reduce; backward 2
+    reduce-scatters of [B, D]. Memory: two [B_l, B] logit blocks.
     """
-    problem = (
-        _pair_problem(image, text, "image and text")
-        or _positive_problem("logit_scale", logit_scale)
-        or _block_problem(block_size)
-    )
-    g, sizes = batch_sizes("clip_loss", text, group, problem)
-    x, y = _unit(image, normalize), _unit(text, normalize)
-    if block_size is not None:
-        return _ring_clip(x, y, _scalar(logit_scale, x), g, sizes, block_size)
-    all_x, all_y = apply_all_gather(x, g, sizes, 0), apply_all_gather(y, g, sizes, 0)
-    offset, total = sum(sizes[: g.rank]), sum(sizes)
-    labels = torch.arange(len(x), device=x.device) + offset
-    per_image = F.cross_entropy(logit_scale * x @ all_y.T, labels, reduction="sum")
-    per_text = F.cross_entropy(logit_scale * y @ all_x.T, labels, reduction="sum")
-    return global_mean((per_image + per_text) / 2, total, g)
+    scale = {"logit_scale": logit_scale}
+    g, rows = _check("clip_loss", image, text, "image and text", scale, group, sizes, block_size)
+    with _float32(text):
+        x, y = _unit(image, normalize), _unit(text, normalize)
+        s = _scalar(logit_scale, x)
+        if block_size is not None:
+            return _ring_clip(x, y, s, g, rows, block_size)
+        all_x, all_y = apply_all_gather(x, g, rows, 0), apply_all_gather(y, g, rows, 0)
+        offset, total = sum(rows[: g.rank]), sum(rows)
+        labels = torch.arange(len(x), device=x.device) + offset
+        per_image = F.cross_entropy(s * x @ all_y.T, labels, reduction="sum")
+        per_text = F.cross_entropy(s * y @ all_x.T, labels, reduction="sum")
+        return global_mean((per_image + per_text) / 2, total, g)
 
 
 def nt_xent(
@@ -149,6 +201,7 @@ def nt_xent(
     temperature: Scalar = 0.5,
     normalize: bool = True,
     group: ProcessGroup | None = None,
+    sizes: Sequence[int] | None = None,
     block_size: int | None = None,
 ) -> Tensor:
     """SimCLR's NT-Xent: 2B anchors (both views); each anchor's positive is the other view of
@@ -157,28 +210,26 @@ def nt_xent(
     ``L = -(1/2B) sum_a log [exp(<z_a, z_p(a)>/t) / sum_{c != a} exp(<z_a, z_c>/t)]`` over
     cosine similarities (``normalize=False``: the embeddings as given).
 
-    Communication: forward 2 all_gathers of [B_l, D]; backward 2 reduce-scatters of [B, D].
-    Memory: [2 B_l, 2 B].
+    Communication: forward 2 all_gathers of [B_l, D] and a scalar all_reduce; backward 2
+    reduce-scatters of [B, D]. Memory: [2 B_l, 2 B].
     """
-    problem = (
-        _pair_problem(view1, view2, "view1 and view2")
-        or _positive_problem("temperature", temperature)
-        or _block_problem(block_size)
-    )
-    g, sizes = batch_sizes("nt_xent", view2, group, problem)
-    z1, z2 = _unit(view1, normalize), _unit(view2, normalize)
-    if block_size is not None:
-        return _ring_nt_xent(z1, z2, 1 / _scalar(temperature, z1), g, sizes, block_size)
-    first, second = apply_all_gather(z1, g, sizes, 0), apply_all_gather(z2, g, sizes, 0)
-    offset, total = sum(sizes[: g.rank]), sum(sizes)  # first, second: [B, D] each
-    candidates = torch.cat([first, second])  # [2B, D]: all first views, then all second views
-    anchors = torch.cat([z1, z2])  # [2 B_l, D]
-    logits = anchors @ candidates.T / temperature  # [2 B_l, 2B]
-    rows = torch.arange(len(z1), device=z1.device) + offset
-    own = torch.cat([rows, rows + total])
-    positive = torch.cat([rows + total, rows])
-    logits = logits.masked_fill(F.one_hot(own, 2 * total).bool(), float("-inf"))
-    return global_mean(F.cross_entropy(logits, positive, reduction="sum"), 2 * total, g)
+    temp = {"temperature": temperature}
+    g, rows = _check("nt_xent", view1, view2, "view1 and view2", temp, group, sizes, block_size)
+    with _float32(view2):
+        z1, z2 = _unit(view1, normalize), _unit(view2, normalize)
+        t = _scalar(temperature, z1)
+        if block_size is not None:
+            return _ring_nt_xent(z1, z2, 1 / t, g, rows, block_size)
+        first, second = apply_all_gather(z1, g, rows, 0), apply_all_gather(z2, g, rows, 0)
+        offset, total = sum(rows[: g.rank]), sum(rows)  # first, second: [B, D] each
+        candidates = torch.cat([first, second])  # [2B, D]: every first view, then every second
+        anchors = torch.cat([z1, z2])  # [2 B_l, D]
+        logits = anchors @ candidates.T / t  # [2 B_l, 2B]
+        mine = torch.arange(len(z1), device=z1.device) + offset
+        own = torch.cat([mine, mine + total])
+        positive = torch.cat([mine + total, mine])
+        logits = logits.masked_fill(F.one_hot(own, 2 * total).bool(), float("-inf"))
+        return global_mean(F.cross_entropy(logits, positive, reduction="sum"), 2 * total, g)
 
 
 @renamed(scale="logit_scale", bias="logit_bias")
@@ -190,6 +241,7 @@ def siglip_loss(
     *,
     normalize: bool = True,
     group: ProcessGroup | None = None,
+    sizes: Sequence[int] | None = None,
     block_size: int | None = None,
 ) -> Tensor:
     """SigLIP: a binary decision for every (image, text) pair of the global batch.
@@ -201,26 +253,23 @@ def siglip_loss(
     ``SigLipLoss()(image_features, text_features, logit_scale, logit_bias)`` has them. The
     keywords ``scale=`` and ``bias=`` of earlier releases still work and warn (FutureWarning).
 
-    Communication: forward 1 all_gather of the texts [B_l, D]; backward 1 reduce-scatter.
-    Memory: [B_l, B].
+    Communication: forward 1 all_gather of the texts [B_l, D] and a scalar all_reduce;
+    backward 1 reduce-scatter. Memory: [B_l, B].
     """
-    problem = (
-        _pair_problem(image, text, "image and text")
-        or _positive_problem("logit_scale", logit_scale)
-        or _block_problem(block_size)
-    )
-    g, sizes = batch_sizes("siglip_loss", text, group, problem)
-    x, y = _unit(image, normalize), _unit(text, normalize)
-    if block_size is not None:
-        scale, bias = _scalar(logit_scale, x), _scalar(logit_bias, x)
-        return _ring_siglip(x, y, scale, bias, g, sizes, block_size)
-    all_y = apply_all_gather(y, g, sizes, 0)
-    offset, total = sum(sizes[: g.rank]), sum(sizes)
-    logits = logit_scale * x @ all_y.T + logit_bias  # [B_l, B]
-    signs = -torch.ones_like(logits)
-    rows = torch.arange(len(x), device=x.device)
-    signs[rows, rows + offset] = 1.0
-    return global_mean(-F.logsigmoid(signs * logits).sum(), total, g)
+    scale = {"logit_scale": logit_scale}
+    g, rows = _check("siglip_loss", image, text, "image and text", scale, group, sizes, block_size)
+    with _float32(text):
+        x, y = _unit(image, normalize), _unit(text, normalize)
+        s, b = _scalar(logit_scale, x), _scalar(logit_bias, x)
+        if block_size is not None:
+            return _ring_siglip(x, y, s, b, g, rows, block_size)
+        all_y = apply_all_gather(y, g, rows, 0)
+        offset, total = sum(rows[: g.rank]), sum(rows)
+        logits = s * x @ all_y.T + b  # [B_l, B]
+        signs = -torch.ones_like(logits)
+        mine = torch.arange(len(x), device=x.device)
+        signs[mine, mine + offset] = 1.0
+        return global_mean(-F.logsigmoid(signs * logits).sum(), total, g)
 
 
 # The memory-efficient paths: the same losses through distgrad.losses._ring, which never holds

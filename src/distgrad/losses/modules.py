@@ -18,6 +18,7 @@ Checkpoints of earlier releases (0-dim scalars; SigLIPLoss's earlier names ``log
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -112,13 +113,15 @@ class NTXentLoss(_Temperature):
     ) -> None:
         super().__init__(temperature, learnable, normalize, group, block_size)
 
-    def forward(self, view1: Tensor, view2: Tensor) -> Tensor:
+    def forward(self, view1: Tensor, view2: Tensor, sizes: Sequence[int] | None = None) -> Tensor:
+        """The loss; ``sizes``: every rank's row count, as the functional loss takes it."""
         return nt_xent(
             view1,
             view2,
             temperature=self.temperature(),
             normalize=self.normalize,
             group=self.group,
+            sizes=sizes,
             block_size=self.block_size,
         )
 
@@ -138,13 +141,15 @@ class InfoNCELoss(_Temperature):
     ) -> None:
         super().__init__(temperature, learnable, normalize, group, block_size)
 
-    def forward(self, query: Tensor, key: Tensor) -> Tensor:
+    def forward(self, query: Tensor, key: Tensor, sizes: Sequence[int] | None = None) -> Tensor:
+        """The loss; ``sizes``: every rank's row count, as the functional loss takes it."""
         return info_nce(
             query,
             key,
             temperature=self.temperature(),
             normalize=self.normalize,
             group=self.group,
+            sizes=sizes,
             block_size=self.block_size,
         )
 
@@ -173,7 +178,8 @@ class CLIPLoss(_LossModule):
         self.max_logit_scale = max_logit_scale
         self.log_logit_scale = _log_parameter(logit_scale, "logit_scale")
 
-    def forward(self, image: Tensor, text: Tensor) -> Tensor:
+    def forward(self, image: Tensor, text: Tensor, sizes: Sequence[int] | None = None) -> Tensor:
+        """The loss; ``sizes``: every rank's row count, as the functional loss takes it."""
         scale = _replicated(self.log_logit_scale, self.group).exp().clamp(max=self.max_logit_scale)
         return clip_loss(
             image,
@@ -181,6 +187,7 @@ class CLIPLoss(_LossModule):
             scale,
             normalize=self.normalize,
             group=self.group,
+            sizes=sizes,
             block_size=self.block_size,
         )
 
@@ -211,7 +218,8 @@ class SigLIPLoss(_LossModule):
         self.log_logit_scale = _log_parameter(logit_scale, "logit_scale")
         self.logit_bias = _parameter(float(logit_bias))
 
-    def forward(self, image: Tensor, text: Tensor) -> Tensor:
+    def forward(self, image: Tensor, text: Tensor, sizes: Sequence[int] | None = None) -> Tensor:
+        """The loss; ``sizes``: every rank's row count, as the functional loss takes it."""
         return siglip_loss(
             image,
             text,
@@ -219,6 +227,7 @@ class SigLIPLoss(_LossModule):
             _replicated(self.logit_bias, self.group),
             normalize=self.normalize,
             group=self.group,
+            sizes=sizes,
             block_size=self.block_size,
         )
 
@@ -232,7 +241,13 @@ class BarlowTwinsLoss(nn.Module):
         super().__init__()
         self.lambda_offdiag, self.eps, self.group = lambda_offdiag, eps, group
 
-    def forward(self, view1: Tensor, view2: Tensor) -> Tensor:
+    def forward(self, view1: Tensor, view2: Tensor, sizes: Sequence[int] | None = None) -> Tensor:
+        """The loss; ``sizes``: every rank's row count, as the functional loss takes it."""
         return barlow_twins(
-            view1, view2, lambda_offdiag=self.lambda_offdiag, eps=self.eps, group=self.group
+            view1,
+            view2,
+            lambda_offdiag=self.lambda_offdiag,
+            eps=self.eps,
+            group=self.group,
+            sizes=sizes,
         )
