@@ -19,7 +19,6 @@ takes no Python objects), as in torch's functional collectives.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 import torch.distributed.distributed_c10d as c10d
@@ -31,7 +30,7 @@ from distgrad._group import Group, resolve
 __all__ = [
     "all_gather",
     "group_named",
-    "keep_every_rank_running",
+    "order_token",
     "traced",
     "all_reduce",
     "all_to_all",
@@ -42,6 +41,25 @@ __all__ = [
     "reduce_scatter",
     "scatter",
 ]
+
+
+# One tensor per device that every distgrad custom op declares it mutates (it never does).
+# Every rank must run every exchange, in the same order. The compiler removes an op whose output
+# a rank does not use (a gather's empty result off the destination) and reorders independent
+# ones by their buffer sizes, which differ between ranks: measured, a compiled gather hung its
+# destination, and a step whose exchanges had rank-dependent sizes ran them in different orders
+# on two ranks. Ops that write one tensor can be neither removed nor reordered (torch's ordered
+# effects did not stop the reordering in torch 2.13's inductor; a shared mutated argument does).
+_tokens: dict[torch.device, Tensor] = {}
+
+
+def order_token(like: Tensor | torch.device) -> Tensor:
+    """The tensor every distgrad custom op on ``like``'s device declares it mutates."""
+    device = like if isinstance(like, torch.device) else like.device
+    found = _tokens.get(device)
+    if found is None:
+        found = _tokens[device] = torch.zeros(1, device=device)
+    return found
 
 
 def traced(group: Group) -> bool:
@@ -58,35 +76,37 @@ def group_named(name: str) -> Group:
 
 def all_gather(x: Tensor, sizes: Sequence[int], group: Group) -> Tensor:
     if traced(group):
-        out: Tensor = torch.ops.distgrad.all_gather(x, list(sizes), group.name)
+        out: Tensor = torch.ops.distgrad.all_gather(x, list(sizes), group.name, order_token(x))
         return out
     return _comm.all_gather(x, sizes, group)
 
 
-@torch.library.custom_op("distgrad::all_gather", mutates_args=())
-def _all_gather(x: Tensor, sizes: list[int], group: str) -> Tensor:
+@torch.library.custom_op("distgrad::all_gather", mutates_args=("token",))
+def _all_gather(x: Tensor, sizes: list[int], group: str, token: Tensor) -> Tensor:
     return _comm.all_gather(x, sizes, group_named(group))
 
 
 @_all_gather.register_fake
-def _(x: Tensor, sizes: list[int], group: str) -> Tensor:
+def _(x: Tensor, sizes: list[int], group: str, token: Tensor) -> Tensor:
     return x.new_empty((sum(sizes), *x.shape[1:]))
 
 
 def reduce_scatter(x: Tensor, sizes: Sequence[int], group: Group) -> Tensor:
     if traced(group):
-        out: Tensor = torch.ops.distgrad.reduce_scatter(x, list(sizes), group.rank, group.name)
+        out: Tensor = torch.ops.distgrad.reduce_scatter(
+            x, list(sizes), group.rank, group.name, order_token(x)
+        )
         return out
     return _comm.reduce_scatter(x, sizes, group)
 
 
-@torch.library.custom_op("distgrad::reduce_scatter", mutates_args=())
-def _reduce_scatter(x: Tensor, sizes: list[int], rank: int, group: str) -> Tensor:
+@torch.library.custom_op("distgrad::reduce_scatter", mutates_args=("token",))
+def _reduce_scatter(x: Tensor, sizes: list[int], rank: int, group: str, token: Tensor) -> Tensor:
     return _comm.reduce_scatter(x, sizes, group_named(group))
 
 
 @_reduce_scatter.register_fake
-def _(x: Tensor, sizes: list[int], rank: int, group: str) -> Tensor:
+def _(x: Tensor, sizes: list[int], rank: int, group: str, token: Tensor) -> Tensor:
     return x.new_empty((sizes[rank], *x.shape[1:]))
 
 
@@ -95,60 +115,64 @@ def all_to_all(
 ) -> Tensor:
     if traced(group):
         out: Tensor = torch.ops.distgrad.all_to_all(
-            x, list(input_sizes), list(output_sizes), group.name
+            x, list(input_sizes), list(output_sizes), group.name, order_token(x)
         )
         return out
     return _comm.all_to_all(x, input_sizes, output_sizes, group)
 
 
-@torch.library.custom_op("distgrad::all_to_all", mutates_args=())
-def _all_to_all(x: Tensor, input_sizes: list[int], output_sizes: list[int], group: str) -> Tensor:
+@torch.library.custom_op("distgrad::all_to_all", mutates_args=("token",))
+def _all_to_all(
+    x: Tensor, input_sizes: list[int], output_sizes: list[int], group: str, token: Tensor
+) -> Tensor:
     return _comm.all_to_all(x, input_sizes, output_sizes, group_named(group))
 
 
 @_all_to_all.register_fake
-def _(x: Tensor, input_sizes: list[int], output_sizes: list[int], group: str) -> Tensor:
+def _(
+    x: Tensor, input_sizes: list[int], output_sizes: list[int], group: str, token: Tensor
+) -> Tensor:
     return x.new_empty((sum(output_sizes), *x.shape[1:]))
 
 
 def all_reduce(x: Tensor, op: str, group: Group) -> Tensor:
     if traced(group):
-        out: Tensor = torch.ops.distgrad.all_reduce(x, op, group.name)
+        out: Tensor = torch.ops.distgrad.all_reduce(x, op, group.name, order_token(x))
         return out
     return _comm.all_reduce(x, op, group)
 
 
-@torch.library.custom_op("distgrad::all_reduce", mutates_args=())
-def _all_reduce(x: Tensor, op: str, group: str) -> Tensor:
+@torch.library.custom_op("distgrad::all_reduce", mutates_args=("token",))
+def _all_reduce(x: Tensor, op: str, group: str, token: Tensor) -> Tensor:
     return _comm.all_reduce(x, op, group_named(group))
 
 
 @_all_reduce.register_fake
-def _(x: Tensor, op: str, group: str) -> Tensor:
+def _(x: Tensor, op: str, group: str, token: Tensor) -> Tensor:
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 def broadcast(x: Tensor, src: int, group: Group) -> Tensor:
     if traced(group):
-        out: Tensor = torch.ops.distgrad.broadcast(x, src, group.name)
+        out: Tensor = torch.ops.distgrad.broadcast(x, src, group.name, order_token(x))
         return out
     return _comm.broadcast(x, src, group)
 
 
-@torch.library.custom_op("distgrad::broadcast", mutates_args=())
-def _broadcast(x: Tensor, src: int, group: str) -> Tensor:
+@torch.library.custom_op("distgrad::broadcast", mutates_args=("token",))
+def _broadcast(x: Tensor, src: int, group: str, token: Tensor) -> Tensor:
     return _comm.broadcast(x, src, group_named(group))
 
 
 @_broadcast.register_fake
-def _(x: Tensor, src: int, group: str) -> Tensor:
+def _(x: Tensor, src: int, group: str, token: Tensor) -> Tensor:
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 def reduce(x: Tensor, dst: int, group: Group) -> Tensor:
     """The sum over ranks on ``dst``; zeros (a constant) on every other rank."""
     if traced(group):
-        out: Tensor = torch.ops.distgrad.reduce(x, dst, group.name)
+        out: Tensor = torch.ops.distgrad.reduce(x, dst, group.name, order_token(x))
         return out
     return _reduce_or_zeros(x, dst, group)
 
@@ -158,20 +182,22 @@ def _reduce_or_zeros(x: Tensor, dst: int, group: Group) -> Tensor:
     return out if out is not None else torch.zeros_like(x, memory_format=torch.contiguous_format)
 
 
-@torch.library.custom_op("distgrad::reduce", mutates_args=())
-def _reduce(x: Tensor, dst: int, group: str) -> Tensor:
+@torch.library.custom_op("distgrad::reduce", mutates_args=("token",))
+def _reduce(x: Tensor, dst: int, group: str, token: Tensor) -> Tensor:
     return _reduce_or_zeros(x, dst, group_named(group))
 
 
 @_reduce.register_fake
-def _(x: Tensor, dst: int, group: str) -> Tensor:
+def _(x: Tensor, dst: int, group: str, token: Tensor) -> Tensor:
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 def gather(x: Tensor, sizes: Sequence[int], dst: int, group: Group) -> Tensor:
     """Every rank's ``x`` concatenated on ``dst``; an empty slice (0 rows) on every other rank."""
     if traced(group):
-        out: Tensor = torch.ops.distgrad.gather(x, list(sizes), dst, group.rank, group.name)
+        out: Tensor = torch.ops.distgrad.gather(
+            x, list(sizes), dst, group.rank, group.name, order_token(x)
+        )
         return out
     return _gather_or_empty(x, sizes, dst, group)
 
@@ -181,13 +207,13 @@ def _gather_or_empty(x: Tensor, sizes: Sequence[int], dst: int, group: Group) ->
     return out if out is not None else x.new_empty((0, *x.shape[1:]))
 
 
-@torch.library.custom_op("distgrad::gather", mutates_args=())
-def _gather(x: Tensor, sizes: list[int], dst: int, rank: int, group: str) -> Tensor:
+@torch.library.custom_op("distgrad::gather", mutates_args=("token",))
+def _gather(x: Tensor, sizes: list[int], dst: int, rank: int, group: str, token: Tensor) -> Tensor:
     return _gather_or_empty(x, sizes, dst, group_named(group))
 
 
 @_gather.register_fake
-def _(x: Tensor, sizes: list[int], dst: int, rank: int, group: str) -> Tensor:
+def _(x: Tensor, sizes: list[int], dst: int, rank: int, group: str, token: Tensor) -> Tensor:
     return x.new_empty((sum(sizes) if rank == dst else 0, *x.shape[1:]))
 
 
@@ -201,14 +227,15 @@ def scatter(
     group: Group,
 ) -> Tensor:
     if traced(group):
+        token = order_token(device)
         out: Tensor = torch.ops.distgrad.scatter(
-            x, list(sizes), src, list(trailing), dtype, device, group.rank, group.name
+            x, list(sizes), src, list(trailing), dtype, device, group.rank, group.name, token
         )
         return out
     return _comm.scatter(x, sizes, src, trailing, dtype, device, group)
 
 
-@torch.library.custom_op("distgrad::scatter", mutates_args=())
+@torch.library.custom_op("distgrad::scatter", mutates_args=("token",))
 def _scatter(
     x: Tensor | None,
     sizes: list[int],
@@ -218,6 +245,7 @@ def _scatter(
     device: torch.device,
     rank: int,
     group: str,
+    token: Tensor,
 ) -> Tensor:
     # A slice of the receive buffer would share its storage, which a custom op's output may
     # not do with anything the caller can see; it is the buffer's only view, so this is cheap.
@@ -234,47 +262,27 @@ def _(
     device: torch.device,
     rank: int,
     group: str,
+    token: Tensor,
 ) -> Tensor:
     return torch.empty((sizes[rank], *trailing), dtype=dtype, device=device)
 
 
 def permute(x: Tensor, perm: Sequence[int], recv_shape: Sequence[int], group: Group) -> Tensor:
     if traced(group):
-        out: Tensor = torch.ops.distgrad.permute(x, list(perm), list(recv_shape), group.name)
+        out: Tensor = torch.ops.distgrad.permute(
+            x, list(perm), list(recv_shape), group.name, order_token(x)
+        )
         return out
     return _comm.permute(x, perm, recv_shape, group)
 
 
-@torch.library.custom_op("distgrad::permute", mutates_args=())
-def _permute(x: Tensor, perm: list[int], recv_shape: list[int], group: str) -> Tensor:
+@torch.library.custom_op("distgrad::permute", mutates_args=("token",))
+def _permute(
+    x: Tensor, perm: list[int], recv_shape: list[int], group: str, token: Tensor
+) -> Tensor:
     return _comm.permute(x, perm, recv_shape, group_named(group))
 
 
 @_permute.register_fake
-def _(x: Tensor, perm: list[int], recv_shape: list[int], group: str) -> Tensor:
+def _(x: Tensor, perm: list[int], recv_shape: list[int], group: str, token: Tensor) -> Tensor:
     return x.new_empty(recv_shape)
-
-
-def keep_every_rank_running(*ops: Any) -> None:
-    """Mark custom ops that communicate as side-effecting.
-
-    Every rank must run every exchange, even one whose output this rank does not use (a
-    gather's empty result off the destination): a custom op declares no side effects, so the
-    compiler would remove it there and leave the other ranks waiting (measured: a compiled
-    gather hung its destination until the timeout).
-    """
-    for op in ops:
-        torch.fx.node.has_side_effect(op.default)
-
-
-keep_every_rank_running(
-    torch.ops.distgrad.all_gather,
-    torch.ops.distgrad.reduce_scatter,
-    torch.ops.distgrad.all_to_all,
-    torch.ops.distgrad.all_reduce,
-    torch.ops.distgrad.broadcast,
-    torch.ops.distgrad.reduce,
-    torch.ops.distgrad.gather,
-    torch.ops.distgrad.scatter,
-    torch.ops.distgrad.permute,
-)

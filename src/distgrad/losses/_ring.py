@@ -161,7 +161,9 @@ class _RingReduce(torch.autograd.Function):
         ctx: FunctionCtx, a: Tensor, k: Tensor, scale: Tensor, bias: Tensor, plan: _Plan
     ) -> Tensor:
         if _ops.traced(plan.group):
-            out: Tensor = torch.ops.distgrad.ring_reduce(a, k, scale, bias, *plan.args())
+            out: Tensor = torch.ops.distgrad.ring_reduce(
+                a, k, scale, bias, *plan.args(), _ops.order_token(a)
+            )
         else:
             out = _reduce_forward(a, k, scale, bias, plan)
         ctx.save_for_backward(a, k, scale, bias, out)
@@ -175,7 +177,7 @@ class _RingReduce(torch.autograd.Function):
         plan: _Plan = ctx.plan
         if _ops.traced(plan.group):
             grads = torch.ops.distgrad.ring_reduce_backward(
-                a, k, scale, bias, out, grad, *plan.args()
+                a, k, scale, bias, out, grad, *plan.args(), _ops.order_token(a)
             )
         else:
             grads = _reduce_backward(a, k, scale, bias, out, grad, plan)
@@ -199,6 +201,8 @@ def ring_reduce(
     the loss's checked batch sizes, ``scale`` and ``bias`` 0-dim tensors of the anchors' dtype."""
     assert kind in KINDS and block >= 1
     plan = _Plan(group, rows, block, kind, mask_self)
+    if keys is anchors:  # NT-Xent: torch.compile cannot trace one tensor passed twice
+        keys = keys.view_as(keys)
     out: Tensor = _RingReduce.apply(anchors, keys, scale, bias, plan)  # type: ignore[no-untyped-call]
     return out
 
@@ -273,7 +277,9 @@ class _RingClip(torch.autograd.Function):
         ctx: FunctionCtx, x: Tensor, y: Tensor, scale: Tensor, plan: _Plan
     ) -> tuple[Tensor, Tensor]:
         if _ops.traced(plan.group):
-            row, col_lse = torch.ops.distgrad.ring_clip(x, y, scale, *plan.args())
+            row, col_lse = torch.ops.distgrad.ring_clip(
+                x, y, scale, *plan.args(), _ops.order_token(x)
+            )
         else:
             row, col_lse = _clip_forward(x, y, scale, plan)
         ctx.save_for_backward(x, y, scale, row, col_lse)
@@ -287,7 +293,7 @@ class _RingClip(torch.autograd.Function):
         plan: _Plan = ctx.plan
         if _ops.traced(plan.group):
             grads = torch.ops.distgrad.ring_clip_backward(
-                x, y, scale, row, col_lse, g_row, g_col, *plan.args()
+                x, y, scale, row, col_lse, g_row, g_col, *plan.args(), _ops.order_token(x)
             )
         else:
             grads = _clip_backward(x, y, scale, row, col_lse, g_row, g_col, plan)
@@ -315,15 +321,18 @@ def ring_clip(
     """
     assert block >= 1
     plan = _Plan(group, rows, block, "lse", False)
+    if text is image:  # torch.compile cannot trace one tensor passed twice
+        text = text.view_as(text)
     row, col = _RingClip.apply(image, text, scale, plan)  # type: ignore[no-untyped-call]
     return row, col
 
 
 # The ring's passes as torch.library custom ops, for torch.compile (see distgrad._ops: the same
-# code runs, as one opaque node whose fake kernel gives the output shapes).
+# code runs, as one opaque node whose fake kernel gives the output shapes; the token keeps
+# every rank's exchanges in program order).
 
 
-@torch.library.custom_op("distgrad::ring_reduce", mutates_args=())
+@torch.library.custom_op("distgrad::ring_reduce", mutates_args=("token",))
 def _ring_reduce_op(
     a: Tensor,
     k: Tensor,
@@ -334,6 +343,7 @@ def _ring_reduce_op(
     kind: str,
     mask_self: bool,
     group: str,
+    token: Tensor,
 ) -> Tensor:
     return _reduce_forward(a, k, scale, bias, _Plan.of(rows, block, kind, mask_self, group))
 
@@ -343,7 +353,7 @@ def _(a: Tensor, k: Tensor, scale: Tensor, bias: Tensor, *plan: object) -> Tenso
     return a.new_empty((a.shape[0],))
 
 
-@torch.library.custom_op("distgrad::ring_reduce_backward", mutates_args=())
+@torch.library.custom_op("distgrad::ring_reduce_backward", mutates_args=("token",))
 def _ring_reduce_backward_op(
     a: Tensor,
     k: Tensor,
@@ -356,6 +366,7 @@ def _ring_reduce_backward_op(
     kind: str,
     mask_self: bool,
     group: str,
+    token: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     plan = _Plan.of(rows, block, kind, mask_self, group)
     return _reduce_backward(a, k, scale, bias, out, grad, plan)
@@ -373,7 +384,7 @@ def _(
     )
 
 
-@torch.library.custom_op("distgrad::ring_clip", mutates_args=())
+@torch.library.custom_op("distgrad::ring_clip", mutates_args=("token",))
 def _ring_clip_op(
     x: Tensor,
     y: Tensor,
@@ -383,6 +394,7 @@ def _ring_clip_op(
     kind: str,
     mask_self: bool,
     group: str,
+    token: Tensor,
 ) -> tuple[Tensor, Tensor]:
     return _clip_forward(x, y, scale, _Plan.of(rows, block, kind, mask_self, group))
 
@@ -392,7 +404,7 @@ def _(x: Tensor, y: Tensor, scale: Tensor, *plan: object) -> tuple[Tensor, Tenso
     return x.new_empty((x.shape[0],)), y.new_empty((y.shape[0],))
 
 
-@torch.library.custom_op("distgrad::ring_clip_backward", mutates_args=())
+@torch.library.custom_op("distgrad::ring_clip_backward", mutates_args=("token",))
 def _ring_clip_backward_op(
     x: Tensor,
     y: Tensor,
@@ -406,6 +418,7 @@ def _ring_clip_backward_op(
     kind: str,
     mask_self: bool,
     group: str,
+    token: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor]:
     plan = _Plan.of(rows, block, kind, mask_self, group)
     return _clip_backward(x, y, scale, row, col_lse, g_row, g_col, plan)
@@ -423,11 +436,3 @@ def _(
     *plan: object,
 ) -> tuple[Tensor, Tensor, Tensor]:
     return torch.empty_like(x), torch.empty_like(y), torch.empty_like(scale)
-
-
-_ops.keep_every_rank_running(
-    torch.ops.distgrad.ring_reduce,
-    torch.ops.distgrad.ring_reduce_backward,
-    torch.ops.distgrad.ring_clip,
-    torch.ops.distgrad.ring_clip_backward,
-)

@@ -1,0 +1,125 @@
+"""torch.compile(fullgraph=True): every collective and every loss traces into one graph, with no
+graph break and no recompilation, and gives eager's values and gradients.
+
+Semantics asserted: the compiled step (inductor backend, gloo, CPU, float64) is the same
+function as the eager step, so its loss and input gradients equal eager's to rounding (the
+compiler fuses and reorders arithmetic: 1e-9 relative in float64). ``torch._dynamo.explain``
+counts one graph and no break; ``error_on_recompile`` makes a second compilation an error, and
+each step runs on fresh data three times.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+
+import distgrad as dg
+from distgrad.testing import run_on_ranks
+
+TOL = {"rtol": 1e-9, "atol": 1e-9}
+Step = Callable[[Tensor, Tensor], Tensor]
+
+
+def _collectives(rank: int, n: int) -> Step:
+    """Every public collective with every size given, each output weighted differently."""
+    ring = [(r + 1) % n for r in range(n)]
+    to_first = [4] + [0] * (n - 1)  # every rank sends its rows to rank 0
+
+    def step(x: Tensor, v: Tensor) -> Tensor:  # x: [4, 3] on every rank
+        outs = [
+            dg.all_gather(x, sizes=[4] * n),
+            dg.all_gather(x, dim=1, sizes=[3] * n, objective="replicated"),
+            dg.all_reduce(x),
+            dg.all_reduce(x, "avg"),
+            dg.all_reduce(x, "prod"),
+            dg.all_reduce(x, "max"),
+            dg.all_reduce(x, "min"),
+            dg.reduce_scatter(x.repeat(n, 1)),
+            dg.reduce_scatter(x.repeat(n, 1), "max"),
+            dg.all_to_all(x.repeat(n, 1)),
+            dg.all_to_all(x, input_sizes=to_first, output_sizes=[4 if rank == 0 else 0] * n),
+            dg.broadcast(x, n - 1),
+            dg.reduce(x, 0),
+            dg.gather(x, 0, sizes=[4] * n),
+            dg.scatter(x.repeat(n, 1) if rank == 0 else x, 0, sizes=[4] * n),
+            dg.permute(x, ring, recv_shape=(4, 3)),
+        ]
+        return sum((o * v[i, : o.shape[0], : o.shape[1]]).sum() for i, o in enumerate(outs))
+
+    return step
+
+
+def _losses(rank: int, n: int) -> Step:
+    """Every loss: dense and ring paths, with sizes given and (even shards) without."""
+    sizes = [4] * n
+    clip = dg.losses.CLIPLoss()
+    siglip = dg.losses.SigLIPLoss(block_size=3)
+
+    def step(x: Tensor, v: Tensor) -> Tensor:  # x: [4, 8] on every rank
+        a, b = x, x.flip(0) + v[0, :4, :8]
+        L = dg.losses
+        terms = [
+            L.info_nce(a, b, sizes=sizes),
+            L.info_nce(a, b),  # even shards: the sizes are checked on the device
+            L.nt_xent(a, b, temperature=0.3, sizes=sizes),
+            L.nt_xent(a, b, sizes=sizes, block_size=3),
+            L.clip_loss(a, b, 10.0, sizes=sizes),
+            L.clip_loss(a, b, sizes=sizes, block_size=2),
+            L.siglip_loss(a, b, sizes=sizes),
+            L.info_nce(a, b, sizes=sizes, block_size=5),
+            L.barlow_twins(a, b, sizes=sizes),
+            clip(a, b, sizes=sizes),
+            siglip(a, b),
+        ]
+        return sum(t * (i + 1) for i, t in enumerate(terms))
+
+    return step
+
+
+STEPS: dict[str, tuple[Callable[[int, int], Step], tuple[int, int]]] = {
+    "collectives": (_collectives, (4, 3)),
+    "losses": (_losses, (4, 8)),
+}
+
+
+def _compiled_matches_eager(rank: int, n: int, which: str) -> list[Any]:
+    # Two ranks on two cores: inductor's pool of compile workers costs more than it saves.
+    torch._inductor.config.compile_threads = 1
+    torch.set_default_dtype(torch.float64)
+    build, shape = STEPS[which]
+    step = build(rank, n)
+    gen = torch.Generator().manual_seed(1000 + rank)
+    v = torch.randn(20, 4 * n, 3 * n + 8, generator=gen)  # a cotangent per output
+    x = torch.randn(shape, generator=gen, requires_grad=True)
+    explained = torch._dynamo.explain(step)(x, v)
+    found = [explained.graph_count, explained.graph_break_count]
+    found += [str(r.reason)[:300] for r in explained.break_reasons]
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend="inductor")
+    for i in range(3):
+        x = torch.randn(shape, generator=gen, requires_grad=True)
+        want = step(x, v)
+        (want_grad,) = torch.autograd.grad(want, x)
+        got = compiled(x, v)
+        (got_grad,) = torch.autograd.grad(got, x)
+        torch.testing.assert_close(got, want, **TOL, msg=lambda m, i=i: f"step {i}: loss: {m}")
+        torch.testing.assert_close(got_grad, want_grad, **TOL, msg=lambda m: f"gradient: {m}")
+        torch._dynamo.config.error_on_recompile = True  # a second compilation raises
+    return found
+
+
+# Inductor compiles C++ for each graph: about 60-100 s per step on 2 cores.
+@pytest.mark.timeout(400)
+def test_every_collective_compiles_to_one_graph_and_matches_eager() -> None:
+    for found in run_on_ranks(_compiled_matches_eager, 2, args=("collectives",), timeout=300):
+        assert found[:2] == [1, 0], found
+
+
+@pytest.mark.timeout(400)
+def test_every_loss_compiles_to_one_graph_and_matches_eager() -> None:
+    for found in run_on_ranks(_compiled_matches_eager, 2, args=("losses",), timeout=300):
+        assert found[:2] == [1, 0], found
