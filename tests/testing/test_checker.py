@@ -250,5 +250,5 @@ def test_an_unguarded_get_world_size_in_the_reference_run_gets_a_hint() -> None:
     with pytest.raises(ValueError, match="process group has not been initialized") as info:
         check_against_single_process(L.unguarded_world_size, _batch(), world_size=2)
     text = "".join(traceback.format_exception(info.value))
-    assert "the single-process reference runs the function in this process" in text
+    assert "the checker's single-process reference runs the function in this process" in text
     assert "dist.get_world_size() if dist.is_initialized() else 1" in text

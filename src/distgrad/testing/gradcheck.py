@@ -197,7 +197,7 @@ def _reference_run(
             raise
         _add_note(
             exc,
-            "distgrad check: the single-process reference runs the function in this process, "
+            "distgrad: the checker's single-process reference runs the function in this process, "
             "without a process group (distgrad's collectives act on a group of one process "
             "there). Guard torch.distributed calls: dist.get_world_size() if "
             "dist.is_initialized() else 1, and likewise dist.get_rank() (0).",
