@@ -222,7 +222,7 @@ def _normalise(inputs: Inputs) -> tuple[tuple[str, ...], tuple[Tensor, ...]]:
         names = tuple(f"input {i}" for i in range(len(tensors)))
     for name, t in zip(names, tensors, strict=True):
         if not isinstance(t, Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            raise CheckArgumentError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if not tensors:
         raise CheckArgumentError("inputs is empty: give the global batch the function runs on")
     return names, tensors
