@@ -40,3 +40,8 @@ def raises_on_rank_1(x: Tensor) -> Tensor:
     if dist.is_initialized() and dist.get_rank() == 1:
         raise RuntimeError("a bug on rank 1")
     return global_loss(x)
+
+
+def unguarded_world_size(x: Tensor) -> Tensor:
+    """dist.get_world_size() with no process group: fails in the single-process run."""
+    return global_loss(x) / dist.get_world_size()

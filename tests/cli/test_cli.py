@@ -111,6 +111,13 @@ def test_check_exits_1_with_the_traceback_when_the_function_raises() -> None:
     assert "rank 1: RuntimeError: a bug on rank 1" in result.stderr
 
 
+def test_check_hints_that_the_reference_runs_without_a_process_group() -> None:
+    result = distgrad("check", f"{TARGETS}:unguarded_world_size")
+    assert result.returncode == 1
+    assert result.stderr.startswith("distgrad: error: unguarded_world_size failed in the single")
+    assert "reference runs the function in this process, without a process group" in result.stderr
+
+
 def test_check_accepts_a_module_name(tmp_path: Path) -> None:
     result = distgrad("check", "check_info_nce:info_nce", "--world-size", "1", cwd=EXAMPLE.parent)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -189,6 +189,8 @@ def test_bad_arguments_raise_before_starting_processes() -> None:
         check_against_single_process(L.right, {"q": torch.ones(3, 4), "k": torch.ones(4, 4)})
     with pytest.raises(CheckArgumentError, match="shard_sizes must be 2"):
         check_against_single_process(L.right, _batch(), shard_sizes=[1, 2])
+    with pytest.raises(CheckArgumentError, match=r"k must be a torch\.Tensor, got list"):
+        check_against_single_process(L.right, {"q": torch.ones(4, 2), "k": [1.0]})
     with pytest.raises(NotALossError, match="scalar tensor"):
         check_against_single_process(lambda q, k: q, _batch(), world_size=1)
     for error, builtin in ((CheckArgumentError, ValueError), (NotALossError, TypeError)):
@@ -250,5 +252,5 @@ def test_an_unguarded_get_world_size_in_the_reference_run_gets_a_hint() -> None:
     with pytest.raises(ValueError, match="process group has not been initialized") as info:
         check_against_single_process(L.unguarded_world_size, _batch(), world_size=2)
     text = "".join(traceback.format_exception(info.value))
-    assert "the single-process reference runs the function in this process" in text
+    assert "the checker's single-process reference runs the function in this process" in text
     assert "dist.get_world_size() if dist.is_initialized() else 1" in text

@@ -197,7 +197,7 @@ def _reference_run(
             raise
         _add_note(
             exc,
-            "distgrad check: the single-process reference runs the function in this process, "
+            "distgrad: the checker's single-process reference runs the function in this process, "
             "without a process group (distgrad's collectives act on a group of one process "
             "there). Guard torch.distributed calls: dist.get_world_size() if "
             "dist.is_initialized() else 1, and likewise dist.get_rank() (0).",
@@ -222,7 +222,7 @@ def _normalise(inputs: Inputs) -> tuple[tuple[str, ...], tuple[Tensor, ...]]:
         names = tuple(f"input {i}" for i in range(len(tensors)))
     for name, t in zip(names, tensors, strict=True):
         if not isinstance(t, Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            raise CheckArgumentError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if not tensors:
         raise CheckArgumentError("inputs is empty: give the global batch the function runs on")
     return names, tensors
