@@ -23,6 +23,7 @@ from distgrad.testing import run_on_ranks
 from tests.collectives.reference import warm_up
 
 PAIR = {"send": 1, "recv_": 1}  # one exchange by point-to-point pairs, on 2 ranks
+TWO_PAIRS = {"send": 2, "recv_": 2}
 
 
 def _cases(rank: int) -> dict[str, Callable[[Tensor], Tensor]]:
@@ -59,8 +60,8 @@ EXPECTED: dict[str, tuple[dict[str, int], dict[str, int]]] = {  # (forward, back
     "reduce_scatter": (PAIR, PAIR),
     "all_reduce sum": ({"allreduce_": 1}, {"allreduce_": 1}),
     "all_reduce avg": ({"allreduce_": 1}, {"allreduce_": 1}),
-    "all_reduce max": ({"send": 2, "recv_": 2}, {"send": 2, "recv_": 2}),
-    "all_reduce prod": ({"send": 2, "recv_": 2}, {"send": 2, "recv_": 2}),
+    "all_reduce max": (TWO_PAIRS, TWO_PAIRS),
+    "all_reduce prod": (TWO_PAIRS, TWO_PAIRS),
     "all_to_all even": (PAIR, PAIR),
     "all_to_all, sizes given": (PAIR, PAIR),
     "all_to_all, output sizes learned": ({"_allgather_base_": 1, **PAIR}, PAIR),
