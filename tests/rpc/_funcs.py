@@ -73,7 +73,7 @@ def param_grad(context_id: int, name: str) -> Tensor | None:
 
 def context_known(context_id: int) -> tuple[bool, int, int]:
     try:
-        from distgrad.rpc.context import lookup
+        from distgrad.rpc._context import lookup
 
         ctx = lookup(context_id)
     except UnknownContextError:
@@ -152,7 +152,7 @@ def drive_loop(mode: str, peer: str) -> float:
     (ref,) = torch.autograd.grad((local * v).sum(), x)
     with dgrpc.context() as cid:
         out = remote_call(peer, scale_then_call_back, (x * 1.0, me, False))
-        dgrpc.backward(cid, [out], [v], mode=mode)
+        dgrpc.backward(cid, [out], grad_tensors=[v], mode=mode)
         got = dgrpc.get_gradients(cid)[x]
     return float((got - ref).abs().max())
 

@@ -11,15 +11,16 @@ from torch.distributed import rpc as torch_rpc
 
 import distgrad.rpc as dgrpc
 from distgrad.errors import RpcAutogradError, UnknownContextError
-from distgrad.rpc.context import lookup
+from distgrad.rpc._context import lookup
 from distgrad.testing import run_on_ranks
 from tests.rpc import _funcs as F
+from tests.rpc import _helpers as H
 
 
 def _known(context_id: int) -> list[tuple[bool, int, int]]:
     """(known, sends, recvs) on workers 1 and 2, asked through torch's RPC (no context sent)."""
     return [
-        torch_rpc.rpc_sync(w, F.context_known, args=(context_id,)) for w in ("worker1", "worker2")
+        H.query(w, F.context_known, context_id) for w in ("worker1", "worker2")
     ]
 
 

@@ -144,7 +144,7 @@ def _reference(case: Case, xs: list[Tensor], seed: int) -> list[Tensor | None]:
 def _distributed(case: Case, xs: list[Tensor], seed: int, mode: str) -> list[Tensor | None]:
     with dgrpc.context() as context_id:
         outs = case(F.remote_call, xs, False)
-        dgrpc.backward(context_id, outs, _cotangents(outs, seed), mode=mode)
+        dgrpc.backward(context_id, outs, grad_tensors=_cotangents(outs, seed), mode=mode)
         grads = dgrpc.get_gradients(context_id)
     assert all(x.grad is None for x in xs), ".grad was written by a distributed backward"
     return [grads.get(x) for x in xs]

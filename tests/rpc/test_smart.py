@@ -13,6 +13,7 @@ from torch.distributed import rpc as torch_rpc
 import distgrad.rpc as dgrpc
 from distgrad.testing import run_on_ranks
 from tests.rpc import _funcs as F
+from tests.rpc import _helpers as H
 
 
 def _x(seed: int, *shape: int) -> Tensor:
@@ -21,7 +22,7 @@ def _x(seed: int, *shape: int) -> Tensor:
 
 
 def _received(worker: str) -> int:
-    return int(torch_rpc.rpc_sync(worker, F.state).get("gradient_messages_received", 0))
+    return int(H.query(worker, F.state).get("gradient_messages_received", 0))
 
 
 def _lineage_sent() -> int:
@@ -42,7 +43,7 @@ def _smart(rank: int, world_size: int) -> None:
             used = dgrpc.rpc_sync("worker1", torch.mul, args=(x, y))
             dgrpc.rpc_sync("worker1", torch.add, args=(x, y))  # unused
             dgrpc.rpc_sync("worker2", torch.sub, args=(x, y))  # unused, on another worker
-            dgrpc.backward(cid, [used], [v], mode=mode)
+            dgrpc.backward(cid, [used], grad_tensors=[v], mode=mode)
             grads = dgrpc.get_gradients(cid)
         torch.testing.assert_close(grads[x], ref_x)
         torch.testing.assert_close(grads[y], ref_y)
@@ -58,11 +59,11 @@ def _smart(rank: int, world_size: int) -> None:
         a = dgrpc.rpc_sync("worker1", torch.exp, args=(x,))
         b = dgrpc.rpc_sync("worker2", torch.sin, args=(x,))
         seen = [_received("worker1"), _received("worker2")]
-        dgrpc.backward(cid, [a], [v], retain_graph=True, mode="smart")
+        dgrpc.backward(cid, [a], grad_tensors=[v], retain_graph=True, mode="smart")
         torch.testing.assert_close(dgrpc.get_gradients(cid)[x], a_ref)
         assert [_received("worker1"), _received("worker2")] == [seen[0] + 1, seen[1]]
         lineage_before = _lineage_sent()
-        dgrpc.backward(cid, [b], [v], mode="smart")
+        dgrpc.backward(cid, [b], grad_tensors=[v], mode="smart")
         assert _lineage_sent() - lineage_before == 1  # one query, to worker2 only
         torch.testing.assert_close(dgrpc.get_gradients(cid)[x], a_ref + b_ref)
         assert [_received("worker1"), _received("worker2")] == [seen[0] + 1, seen[1] + 1]
@@ -75,7 +76,7 @@ def _smart(rank: int, world_size: int) -> None:
         calls = torch_rpc.rpc_sync("worker1", F.hook_calls)
         with dgrpc.context() as cid:
             out = dgrpc.rpc_sync("worker1", F.fan_out_and_back, args=(x, "worker2"))
-            dgrpc.backward(cid, [out], [v], mode=mode)
+            dgrpc.backward(cid, [out], grad_tensors=[v], mode=mode)
             torch.testing.assert_close(dgrpc.get_gradients(cid)[x], ref)
         assert torch_rpc.rpc_sync("worker1", F.hook_calls) - calls == hook_runs, mode
 

@@ -1,85 +1,36 @@
-"""Send and recv records: where a worker's local autograd graph meets another worker's.
+"""Recording sends and recvs in the forward pass, and the recv node that acts in backward.
 
-For every message that carries tensors requiring grad, the sender records a :class:`SendRecord`
-(the tensors it sent, which are the edges into its local graph) and the receiver passes the
-tensors through :class:`_RecvFunction`, an autograd node whose backward ships the incoming
-gradients back to the sender. Both halves share one autograd message id, unique across workers.
-
-In backward, a gradient message for message id ``m`` arrives at the sender, which looks up
-``sends[m]`` and runs its local engine from those tensors with the received gradients.
+For every message that carries tensors requiring grad, the sender detaches those tensors and
+keeps a ``SendRecord``; the receiver passes them through :class:`_RecvFunction`, an autograd
+node whose backward hands the gradients of its outputs to the backward phase running in the
+context (which ships them to the sender). The recv node knows the context and the message,
+never the engine.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, TypeAlias
+from typing import Any
 
 import torch
 from torch import Tensor
-from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from distgrad.rpc import _agent
-from distgrad.rpc.context import DistAutogradContext
+from distgrad.rpc import _context, _identity
+from distgrad.rpc._context import DistAutogradContext
+from distgrad.rpc._records import RecvRecord, SendRecord, Target, target_of
 
-__all__ = [
-    "RecvRecord",
-    "SendRecord",
-    "Target",
-    "attach_recv",
-    "detach_for_send",
-    "edge_of",
-    "is_recv_node",
-    "target_of",
-]
+__all__ = ["attach_recv", "detach_for_send", "is_recv_node"]
 
 _RECV_NODE_NAME = "_RecvFunctionBackward"
 
 
 def is_recv_node(node: Any) -> bool:
-    """Whether an autograd node is the recv node of a message."""
+    """Whether an autograd node is the recv node of a message (its ``message_id`` names it)."""
     return type(node).__name__ == _RECV_NODE_NAME
 
 
-# Where a sent tensor's gradient enters this worker's graph: a leaf is kept as itself; any
-# other tensor as its gradient edge (its grad_fn and output number). The edge keeps the graph
-# but not the tensor's data, which can be freed as soon as the message is sent, and it still
-# names the value that was sent if the tensor is later modified in place.
-Target: TypeAlias = "Tensor | GradientEdge"
-
-
-def target_of(t: Tensor) -> Target:
-    return t if t.grad_fn is None else get_gradient_edge(t)
-
-
-def edge_of(target: Target) -> GradientEdge:
-    return target if isinstance(target, GradientEdge) else get_gradient_edge(target)
-
-
-@dataclass
-class SendRecord:
-    """The sending half of a pair: where the sent tensors' gradients enter, and where they went."""
-
-    message_id: int
-    to_worker: str
-    targets: list[Target]
-    leaves: list[Tensor] | None = None  # leaves reachable from ``targets``, found on first use
-    reach: dict[int, Any] | None = None  # SMART: id -> node for every node reachable
-    recvs_reached: list[tuple[int, str]] | None = None  # SMART: (recv message id, its sender)
-
-
-@dataclass
-class RecvRecord:
-    """The receiving half of a pair: the sender to ship gradients to."""
-
-    message_id: int
-    from_worker: str
-    context_id: int
-    num_outputs: int
-
-
 class _RecvFunction(torch.autograd.Function):
-    """Identity in forward; in backward, ships the gradients to the sender and returns none."""
+    """Identity in forward; in backward, hands the gradients to the running phase."""
 
     @staticmethod
     def forward(
@@ -90,13 +41,13 @@ class _RecvFunction(torch.autograd.Function):
         # through C++ that the garbage collector cannot see.
         ctx.context_id = context_id
         ctx.message_id = message_id
-        return tensors
+        # detach(): a new tensor on the same memory. Returning an input as is would make
+        # autograd take a view of it, which sparse tensors do not have.
+        return tuple(t.detach() for t in tensors)
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor | None) -> Any:
-        from distgrad.rpc.fast import ship_gradients
-
-        ship_gradients(ctx.context_id, ctx.message_id, list(grads))
+        _context.lookup(ctx.context_id).hand_back(ctx.message_id, list(grads))
         return (None, None, None, *[None] * len(grads))
 
 
@@ -154,7 +105,7 @@ def detach_for_send(
         ctx.known_workers.add(to_worker)
         if not sent:
             return out, None, []
-        message_id = _agent.new_id()
+        message_id = _identity.new_id()
         ctx.sends[message_id] = SendRecord(message_id, to_worker, sent)
     return out, message_id, positions
 
