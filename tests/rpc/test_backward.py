@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import Tensor
-from torch.distributed import rpc as torch_rpc
 
 import distgrad.rpc as dgrpc
 from distgrad.errors import RankFailedError, RpcAutogradError, UnknownContextError
@@ -107,7 +106,7 @@ def _api(rank: int, world_size: int) -> None:
             with pytest.raises(RpcAutogradError, match="requires_grad not set"):
                 dgrpc.backward(cid, [torch.ones(1)], mode=mode)
         assert a.grad is None and b.grad is None
-        with pytest.raises(UnknownContextError, match="id [0-9]* on worker0"):
+        with pytest.raises(UnknownContextError, match=r"id [0-9]* on worker0"):
             dgrpc.backward(cid, [out], grad_tensors=[v], mode=mode)
         # No zeros are shipped for an output that received no gradient: of three slices that
         # come back, one is unused, so two tensors travel back (and one to the caller's caller).

@@ -7,7 +7,6 @@ import time
 
 import pytest
 import torch
-from torch.distributed import rpc as torch_rpc
 
 import distgrad.rpc as dgrpc
 from distgrad.errors import RpcAutogradError, UnknownContextError
@@ -19,9 +18,7 @@ from tests.rpc import _helpers as H
 
 def _known(context_id: int) -> list[tuple[bool, int, int]]:
     """(known, sends, recvs) on workers 1 and 2, asked through torch's RPC (no context sent)."""
-    return [
-        H.query(w, F.context_known, context_id) for w in ("worker1", "worker2")
-    ]
+    return [H.query(w, F.context_known, context_id) for w in ("worker1", "worker2")]
 
 
 def _contexts(rank: int, world_size: int) -> None:

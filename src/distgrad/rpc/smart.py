@@ -53,6 +53,7 @@ class SmartState(PassState):
         self.held: dict[Key, tuple[Any, int, Tensor]] = {}  # gradients waiting at an edge
         self.shipped: set[int] = set()  # recv ids already shipped in this pass
         self.foreign: frozenset[int] = frozenset()  # memory of gradients the user passed in
+        self.recvs_here: list[RecvRecord] | None = None
 
     def hold_below(self, parent: Any, position: int, grad: Tensor) -> None:
         """Hold the gradient ``parent`` sends along its ``position``-th edge."""
@@ -112,6 +113,11 @@ def run_from_roots(
     try:
         starts = [(r.grad_fn, r.output_nr, g) for r, g in zip(roots, grads, strict=True)]
         _deliver(ctx, state, active, starts)
+        if state.pending:  # every part of the pass has answered: nothing can arrive any more
+            raise RpcAutogradError(
+                f"SMART pass {pass_id} ended with sends {sorted(state.pending)} of {me} still "
+                "waiting for gradients (a distgrad bug: please report it)"
+            )
     except Exception as exc:
         _abort(ctx.context_id, pass_id, lineage)
         raise pass_error(exc, me) from None
@@ -189,12 +195,15 @@ def _take_reply(ctx: DistAutogradContext, active: Pass, reply: Reply) -> None:
 
 
 def _progress(ctx: DistAutogradContext, state: SmartState, active: SmartPass) -> None:
-    """Run every held gradient that no pending send can still add to (one engine call); once
-    nothing is pending, ship ``None``s for the lineage's recvs that got no gradient here and
-    drop the pass's state. Holds the context's lock."""
+    """Run every held gradient that no pending send can still add to (one engine call), then
+    ship ``None``s for the lineage's recvs here that no gradient can reach any more; once
+    nothing is pending, drop the pass's state. Holds the context's lock."""
     blocked: dict[int, Any] = {}
+    blocked_recvs: set[int] = set()
     for send_id in state.pending:
-        blocked.update(_lineage.send_reach(ctx, ctx.sends[send_id]))
+        record = ctx.sends[send_id]
+        blocked.update(_lineage.send_reach(ctx, record))
+        blocked_recvs.update(mid for mid, _ in record.recvs_reached or ())
     ready = [k for k, (node, _, _) in state.held.items() if id(node) not in blocked]
     if ready:
         found = _local.walk((state.held[k][0] for k in ready), blocked)
@@ -202,8 +211,25 @@ def _progress(ctx: DistAutogradContext, state: SmartState, active: SmartPass) ->
         starts = [k for k in ready if id(state.held[k][0]) in live]
         if starts:
             _run(ctx, state, active, found, live, [state.held.pop(k) for k in starts])
+    # What is still held waits at nodes that only lead to blocked ones, so a recv that is not
+    # blocked and has not shipped gets nothing in this pass: its sender must not wait for it.
+    for recv in _recvs_here(ctx, state):
+        if recv.message_id not in state.shipped and recv.message_id not in blocked_recvs:
+            active.take(recv, [None] * recv.num_outputs)
     if not state.pending:
-        _finish(ctx, state, active)
+        state.held.clear()  # gradients into nodes that lead nowhere
+        ctx.pass_states.pop(state.pass_id, None)
+
+
+def _recvs_here(ctx: DistAutogradContext, state: SmartState) -> list[RecvRecord]:
+    """The recvs of this worker whose sends take part in the pass (found once per pass)."""
+    if state.recvs_here is None:
+        state.recvs_here = [
+            r
+            for r in ctx.recvs.values()
+            if r.message_id in state.lineage.get(r.from_worker, frozenset())
+        ]
+    return state.recvs_here
 
 
 def _run(
@@ -275,15 +301,6 @@ def _live(found: Walk) -> set[int]:
         if id(node) not in live and any(id(n) in live for n, _ in node.next_functions if n):
             live.add(id(node))
     return live
-
-
-def _finish(ctx: DistAutogradContext, state: SmartState, active: SmartPass) -> None:
-    state.held.clear()  # gradients into nodes that lead nowhere
-    for record in list(ctx.recvs.values()):
-        in_lineage = record.message_id in state.lineage.get(record.from_worker, frozenset())
-        if in_lineage and record.message_id not in state.shipped:
-            active.take(record, [None] * record.num_outputs)
-    ctx.pass_states.pop(state.pass_id, None)
 
 
 def _abort_here(message: AbortPass) -> None:
