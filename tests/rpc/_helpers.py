@@ -60,7 +60,7 @@ def sparse_leaf(seed: int, requires_grad: bool = True, dtype: Any = torch.float6
     """A 4x4 sparse COO leaf with 3 seeded values (uncoalesced: indices repeat once)."""
     indices = torch.tensor([[0, 1, 1, 0], [2, 0, 2, 2]])
     values = torch.randn(4, dtype=dtype, generator=seeded(seed))
-    t = torch.sparse_coo_tensor(indices, values, (4, 4), dtype=dtype)
+    t = torch.sparse_coo_tensor(indices, values, (4, 4), dtype=dtype, check_invariants=True)
     return t.requires_grad_(requires_grad)
 
 

@@ -16,7 +16,7 @@ from torch import Tensor
 from distgrad.rpc import _identity, _local, _transport
 from distgrad.rpc._context import DistAutogradContext, counters, lookup
 from distgrad.rpc._pass import as_backward_error
-from distgrad.rpc._records import SendRecord
+from distgrad.rpc._records import SendRecord, node_of
 from distgrad.rpc._wire import Lineage, LineageQuery
 
 __all__ = ["find", "receive", "send_reach"]
@@ -25,7 +25,7 @@ __all__ = ["find", "receive", "send_reach"]
 def send_reach(ctx: DistAutogradContext, record: SendRecord) -> dict[int, Any]:
     """Every node of this worker that ``record``'s gradients can reach (id -> node)."""
     if record.reach is None:
-        found = _local.walk(_local.accumulator_of(t) for t in record.targets)
+        found = _local.walk(node_of(t) for t in record.targets)
         record.reach = found.nodes
         record.recvs_reached = [
             (n.message_id, ctx.recvs[n.message_id].from_worker) for n in found.recvs

@@ -38,7 +38,7 @@ from distgrad.rpc import _context
 from distgrad.rpc._records import Leaf, Target
 from distgrad.rpc.send_recv import is_recv_node
 
-__all__ = ["Cut", "Walk", "accumulator_of", "capture", "run", "walk"]
+__all__ = ["Cut", "Walk", "capture", "run", "walk"]
 
 _engine: Any = Variable._execution_engine  # type: ignore[attr-defined]
 
@@ -76,16 +76,6 @@ def walk(starts: Iterable[Any], blocked: Container[int] = ()) -> Walk:
             continue
         stack.extend(n for n, _ in node.next_functions if n is not None)
     return found
-
-
-def accumulator_of(target: Target) -> Any:
-    """The node a target's gradient enters: a leaf's AccumulateGrad, or the edge's node."""
-    if isinstance(target, GradientEdge):
-        return target.node
-    if target.grad_fn is not None:
-        return target.grad_fn
-    # torch keeps a leaf's AccumulateGrad only weakly; a view's graph names it.
-    return target.view_as(target).grad_fn.next_functions[0][0]  # type: ignore[union-attr]
 
 
 def run(

@@ -11,10 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
+import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-__all__ = ["Leaf", "RecvRecord", "SendRecord", "Target", "edge_of", "target_of"]
+__all__ = ["Leaf", "RecvRecord", "SendRecord", "Target", "edge_of", "node_of", "target_of"]
 
 # Where a sent tensor's gradient enters this worker's graph: a leaf is kept as itself; any
 # other tensor as its gradient edge (its grad_fn and output number). The edge keeps the graph
@@ -27,11 +28,32 @@ Leaf: TypeAlias = "tuple[Tensor, Any]"
 
 
 def target_of(t: Tensor) -> Target:
-    return t if t.grad_fn is None else get_gradient_edge(t)
+    if t.grad_fn is None:
+        return t
+    if t.layout == torch.strided:
+        return get_gradient_edge(t)
+    # get_gradient_edge keeps a Python-defined node's graph alive through a view of ``t``,
+    # which sparse tensors do not have; a clone's node holds the graph the same way.
+    with torch.enable_grad():
+        token = t.clone().grad_fn
+    return GradientEdge(t.grad_fn, t.output_nr, token)
+
+
+def node_of(target: Target) -> Any:
+    """The node a target's gradient enters: the edge's node, or a leaf's AccumulateGrad."""
+    if isinstance(target, GradientEdge):
+        return target.node
+    if target.grad_fn is not None:
+        return target.grad_fn
+    # torch keeps a leaf's AccumulateGrad only weakly; an op's graph names it (view_as is the
+    # cheapest op, clone the one sparse tensors have).
+    with torch.enable_grad():
+        op = target.view_as(target) if target.layout == torch.strided else target.clone()
+    return op.grad_fn.next_functions[0][0]  # type: ignore[union-attr]
 
 
 def edge_of(target: Target) -> GradientEdge:
-    return target if isinstance(target, GradientEdge) else get_gradient_edge(target)
+    return target if isinstance(target, GradientEdge) else GradientEdge(node_of(target), 0)
 
 
 @dataclass

@@ -24,9 +24,8 @@ from torch import Tensor
 from distgrad.errors import RpcAutogradError
 from distgrad.rpc import _identity, _local
 from distgrad.rpc._context import DistAutogradContext, counters, lookup
-from distgrad.rpc._local import accumulator_of
 from distgrad.rpc._pass import Pass, as_backward_error, deadline_after, drain, in_flight, phase
-from distgrad.rpc._records import Leaf, SendRecord, Target
+from distgrad.rpc._records import Leaf, SendRecord, Target, node_of
 from distgrad.rpc._wire import GradientMessage, Reply
 
 __all__ = ["receive", "run_from_roots"]
@@ -105,5 +104,5 @@ def _send(ctx: DistAutogradContext, message_id: int) -> SendRecord:
 
 def _leaves_below(record: SendRecord) -> list[Leaf]:
     if record.leaves is None:  # found once per send
-        record.leaves = _local.walk(accumulator_of(t) for t in record.targets).leaves
+        record.leaves = _local.walk(node_of(t) for t in record.targets).leaves
     return record.leaves

@@ -141,26 +141,30 @@ def receive(message: GradientMessage) -> list[Reply]:
                 state = SmartState(message.pass_id, me, message.lineage, message.retain_graph)
                 ctx.pass_states[message.pass_id] = state
             assert isinstance(state, SmartState)
-            entries = _accept(ctx, state, Reply(message.message_id, message.grads))
+            _accept(ctx, state, Reply(message.message_id, message.grads))
         active = SmartPass(state, ctx, deadline_after(message.budget), message.sender)
-        _deliver(ctx, state, active, entries)
+        _deliver(ctx, state, active, [])
         return active.replies
     except Exception as exc:
         raise pass_error(exc, me) from None
 
 
-def _accept(
-    ctx: DistAutogradContext, state: SmartState, reply: Reply
-) -> list[tuple[Any, int, Tensor]]:
-    """Mark ``sends[reply.message_id]`` delivered; where its gradients enter. Holds the lock."""
+def _accept(ctx: DistAutogradContext, state: SmartState, reply: Reply) -> None:
+    """Mark ``sends[reply.message_id]`` delivered and hold its gradients where they enter.
+
+    One step under the context's lock: a send that is no longer pending must have its
+    gradients held, or another part's progress would run the nodes below it without them.
+    """
     if reply.message_id not in state.pending:
         raise RpcAutogradError(
             f"send {reply.message_id} is not pending in pass {state.pass_id} (delivered twice?)"
         )
     state.pending.discard(reply.message_id)
     record = ctx.sends[reply.message_id]
-    edges = [(edge_of(t), g) for t, g in zip(record.targets, reply.grads, strict=True)]
-    return [(e.node, e.output_nr, g) for e, g in edges if g is not None]
+    for target, grad in zip(record.targets, reply.grads, strict=True):
+        if grad is not None:
+            edge = edge_of(target)
+            state.hold(edge.node, edge.output_nr, grad)
 
 
 def _deliver(
@@ -189,8 +193,7 @@ def _take_reply(ctx: DistAutogradContext, active: Pass, reply: Reply) -> None:
     with phase(ctx, active):
         if ctx.pass_states.get(state.pass_id) is not state:
             raise RpcAutogradError(f"backward pass {state.pass_id} is not running here")
-        for node, nr, grad in _accept(ctx, state, reply):
-            state.hold(node, nr, grad)
+        _accept(ctx, state, reply)
         _progress(ctx, state, active)
 
 
