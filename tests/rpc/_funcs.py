@@ -339,3 +339,46 @@ def remote_ref_call(to: str, fn: Call, args: tuple[Any, ...] = ()) -> Any:
 
 def async_call(to: str, fn: Call, args: tuple[Any, ...] = ()) -> Any:
     return dgrpc.rpc_async(to, fn, args=args).wait()
+
+
+class ThreeByThree:
+    """A parameter server's module: ``w`` (3x3, from a seeded generator) times the input."""
+
+    def __init__(self, requires_grad: bool = True) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.w = torch.rand((3, 3), requires_grad=requires_grad, generator=g)
+
+    def forward(self, t1: Tensor) -> Tensor:
+        return torch.mm(self.w, t1)
+
+    def get_w(self) -> Tensor:
+        return self.w
+
+
+def call_method(method: Callable[..., Any], rref: Any, *args: Any) -> Any:
+    return method(rref.local_value(), *args)
+
+
+class FailingOptimizer(torch.optim.Optimizer):
+    def __init__(self, params: Any) -> None:
+        super().__init__(params, {})
+
+    def step(self, closure: Any = None) -> Any:
+        raise ValueError("Error running optimizer.")
+
+
+class OptimizerFailingOnConstructor(torch.optim.Optimizer):
+    def __init__(self, params: Any) -> None:
+        super().__init__(params, {})
+        raise ValueError("Error creating optimizer.")
+
+    def step(self, closure: Any = None) -> Any:
+        raise NotImplementedError
+
+
+def bag_parameters(rref: Any) -> list[dgrpc.RRef[Tensor]]:
+    return [dgrpc.RRef(p) for p in rref.local_value().parameters()]
+
+
+def bag_weight(rref: Any) -> Tensor:
+    return rref.local_value().weight.detach().clone()
