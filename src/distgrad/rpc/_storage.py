@@ -122,7 +122,8 @@ class GradientStore:
         held = self._grads.get(id(tensor))
         if held is not None:
             self._memory.difference_update(memory_of(held[1]))
-            stored = held[1] + grad
+            # torch adds a sparse tensor to a dense one, not the other way round
+            stored = grad + held[1] if held[1].is_sparse and not grad.is_sparse else held[1] + grad
         else:
             stored = _copy(tensor, grad) if copy else grad
         self._memory.update(memory_of(stored))
