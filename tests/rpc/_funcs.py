@@ -382,3 +382,55 @@ def bag_parameters(rref: Any) -> list[dgrpc.RRef[Tensor]]:
 
 def bag_weight(rref: Any) -> Tensor:
     return rref.local_value().weight.detach().clone()
+
+
+class _KillInBackward(torch.autograd.Function):
+    """Identity whose backward SIGKILLs the process it runs in."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        import os
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
+        return grad
+
+
+def killed_in_backward(x: Tensor) -> Tensor:
+    return _KillInBackward.apply(x * 2)  # type: ignore[no-any-return]
+
+
+backward_started: list[float] = []
+
+
+class _SlowBackward(torch.autograd.Function):
+    """Identity whose backward notes when it started, then takes ``seconds``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, seconds: float) -> Tensor:
+        ctx.seconds = seconds
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        import time
+
+        backward_started.append(time.monotonic())
+        time.sleep(ctx.seconds)
+        return grad, None
+
+
+def slow_in_backward(x: Tensor, seconds: float) -> Tensor:
+    return _SlowBackward.apply(x * 2, seconds)  # type: ignore[no-any-return]
+
+
+def kill_me_after(seconds: float) -> None:
+    import os
+    import signal
+    import threading
+
+    threading.Timer(seconds, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()

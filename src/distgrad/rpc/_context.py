@@ -59,7 +59,8 @@ class DistAutogradContext:
         self.lock = threading.RLock()
         self.sends: dict[int, SendRecord] = {}
         self.recvs: dict[int, RecvRecord] = {}
-        self.known_workers: set[str] = set()
+        # Replaced, never changed in place, so that it can be read without the lock.
+        self.known_workers: frozenset[str] = frozenset()
         self.grads = GradientStore()
         # A leaf every recv node hangs from: a FAST phase asks the engine for its gradient so
         # that every recv node below the phase's start runs (torch only runs nodes on a path
@@ -70,6 +71,11 @@ class DistAutogradContext:
         self.graph_freed = False
         self.pass_states: dict[int, PassState] = {}  # pass id -> an engine's state here
         self.aborted_passes: set[int] = set()
+
+    def know(self, worker: str) -> None:
+        """Remember that this context exchanged messages with ``worker``. Holds the lock."""
+        if worker not in self.known_workers:
+            self.known_workers = self.known_workers | {worker}
 
     def hand_back(self, message_id: int, grads: list[Tensor | None]) -> None:
         """A recv node ran in backward: hand its outputs' gradients to the running phase."""

@@ -81,7 +81,7 @@ def shutdown(graceful: bool = True, timeout: float | None = None) -> None:
     try:
         gone = _unreachable_peers(limit) if graceful else []
         if gone:
-            problem = f"{', '.join(gone)} could not be reached, so this worker left without them"
+            problem = f"could not reach {'; '.join(gone)}; left the group without waiting for it"
         torch_rpc.shutdown(graceful=graceful and not gone, timeout=limit)
     except Exception as exc:
         problem = (

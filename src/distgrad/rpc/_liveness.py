@@ -67,8 +67,9 @@ def check_once() -> list[str]:
         return []
     involved: dict[int, set[str]] = {}
     for ctx in foreign:
-        with ctx.lock:
-            peers = set(ctx.known_workers)
+        # No lock: a backward phase holds it as long as it runs (here, while a dead root's
+        # part of the backward keeps this worker busy).
+        peers = set(ctx.known_workers)
         peers.add(_identity.name_of(_identity.creator_of(ctx.context_id)))
         involved[ctx.context_id] = peers - {me}
     everyone = sorted(set().union(*involved.values()))
@@ -95,8 +96,13 @@ def _drop(ctx: _context.DistAutogradContext, worker: str, why: str) -> None:
     )
     if _context.pop(ctx.context_id, reason) is None:
         return
-    with ctx.lock:
-        ctx.sends.clear()
-        ctx.recvs.clear()
-        ctx.pass_states.clear()
     _context.counters["contexts_dropped_peer_gone"] += 1
+    # A phase still running holds the lock and the context; it lets go when it ends (its answer
+    # cannot be delivered), and the records go with it.
+    if ctx.lock.acquire(blocking=False):
+        try:
+            ctx.sends.clear()
+            ctx.recvs.clear()
+            ctx.pass_states.clear()
+        finally:
+            ctx.lock.release()

@@ -102,7 +102,7 @@ def detach_for_send(
 
     out = _map_tensors(payload, detach)
     with ctx.lock:
-        ctx.known_workers.add(to_worker)
+        ctx.know(to_worker)
         if not sent:
             return out, None, []
         message_id = _identity.new_id()
@@ -119,7 +119,7 @@ def attach_recv(
 ) -> Any:
     """Pass the tensors at ``positions`` through a recv node of message ``message_id``."""
     with ctx.lock:
-        ctx.known_workers.add(from_worker)
+        ctx.know(from_worker)
     if message_id is None:
         return payload
     every: list[Tensor] = []
