@@ -434,3 +434,18 @@ def kill_me_after(seconds: float) -> None:
     import threading
 
     threading.Timer(seconds, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+
+
+def recorded(context_id: int) -> dict[str, Any]:
+    """What this worker recorded in a context: counts, known workers, and for each send the
+    names of the nodes its tensors' gradients enter."""
+    from distgrad.rpc._context import lookup
+    from distgrad.rpc._records import node_of
+
+    ctx = lookup(context_id)
+    return {
+        "sends": len(ctx.sends),
+        "recvs": len(ctx.recvs),
+        "known": sorted(ctx.known_workers),
+        "targets": [[node_of(t).name() for t in s.targets] for s in ctx.sends.values()],
+    }

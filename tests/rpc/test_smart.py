@@ -7,18 +7,11 @@ cotangents), and message counters show which workers took part.
 from __future__ import annotations
 
 import torch
-from torch import Tensor
-from torch.distributed import rpc as torch_rpc
 
 import distgrad.rpc as dgrpc
 from distgrad.testing import run_on_ranks
 from tests.rpc import _funcs as F
 from tests.rpc import _helpers as H
-
-
-def _x(seed: int, *shape: int) -> Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, dtype=torch.float64, generator=g, requires_grad=True)
 
 
 def _received(worker: str) -> int:
@@ -32,8 +25,8 @@ def _lineage_sent() -> int:
 def _smart(rank: int, world_size: int) -> None:
     if rank != 0:
         return
-    x, y = _x(0, 3), _x(1, 3)
-    v = _x(2, 3).detach()
+    x, y = H.leaf(0, 3), H.leaf(1, 3)
+    v = H.leaf(2, 3, requires_grad=False)
 
     # Unused outputs and a worker that no path from the root reaches: worker2 gets nothing.
     ref_x, ref_y = torch.autograd.grad((torch.mul(x, y) * v).sum(), (x, y))
@@ -73,17 +66,17 @@ def _smart(rank: int, world_size: int) -> None:
     # it once per arriving gradient.
     (ref,) = torch.autograd.grad((F.fan_out_local(x) * v).sum(), x)
     for mode, hook_runs in (("smart", 1), ("fast", 2)):
-        calls = torch_rpc.rpc_sync("worker1", F.hook_calls)
+        calls = H.query("worker1", F.hook_calls)
         with dgrpc.context() as cid:
             out = dgrpc.rpc_sync("worker1", F.fan_out_and_back, args=(x, "worker2"))
             dgrpc.backward(cid, [out], grad_tensors=[v], mode=mode)
             torch.testing.assert_close(dgrpc.get_gradients(cid)[x], ref)
-        assert torch_rpc.rpc_sync("worker1", F.hook_calls) - calls == hook_runs, mode
+        assert H.query("worker1", F.hook_calls) - calls == hook_runs, mode
 
     # Cycles in both directions: rooted here (0 -> 1 -> 0) and rooted on worker1 (1 -> 0 -> 1).
     for mode in ("smart", "fast"):
         assert F.drive_loop(mode, "worker1") < 1e-12
-        assert torch_rpc.rpc_sync("worker1", F.drive_loop, args=(mode, "worker0")) < 1e-12
+        assert H.query("worker1", F.drive_loop, mode, "worker0") < 1e-12
 
 
 def test_smart_mode_runs_only_what_reaches_the_roots() -> None:
