@@ -449,3 +449,19 @@ def recorded(context_id: int) -> dict[str, Any]:
         "known": sorted(ctx.known_workers),
         "targets": [[node_of(t).name() for t in s.targets] for s in ctx.sends.values()],
     }
+
+
+def set_lineage_walk(nodes: int) -> int:
+    """How far a send's lineage is looked for when it is sent (0: never; SMART then asks);
+    returns the previous setting."""
+    from distgrad.rpc import send_recv
+
+    previous = send_recv._LINEAGE_WALK_NODES
+    send_recv._LINEAGE_WALK_NODES = nodes
+    return previous
+
+
+def deep(x: Tensor, ops: int) -> Tensor:
+    for _ in range(ops):
+        x = torch.sin(x) * 1.01
+    return x

@@ -4,11 +4,12 @@ Each program (``_graphs``) runs on 4 workers with nested calls up to 3 deep: ten
 after they were sent, sent to several workers, sent back along the call chain (cycles), and
 results never used. For each program the test compares, against local float64 autograd of
 the same program with random cotangents: FAST; SMART with ``retain_graph=False``; SMART twice
-in one context with ``retain_graph=True`` (twice the gradients). Gradients are compared for
-the root's inputs and for every leaf the program made on any worker. Some tensors carry a
-hook that halves their gradient and counts its calls: under SMART every hook is called with
-a gradient exactly as often as locally (each node runs once, on its whole gradient); a
-node run twice on partial gradients would halve one share twice.
+in one context with ``retain_graph=True`` (twice the gradients). SMART finds its lineage from
+what the sends carried for half the programs, by asking the workers for the other half.
+Gradients are compared for the root's inputs and for every leaf the program made on any
+worker. Some tensors carry a hook that halves their gradient and counts its calls: under
+SMART every hook is called with a gradient exactly as often as locally (each node runs once,
+on its whole gradient); a node run twice on partial gradients would halve one share twice.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch import Tensor
 
 import distgrad.rpc as dgrpc
 from distgrad.testing import run_on_ranks
+from tests.rpc import _funcs as F
 from tests.rpc import _graphs as G
 from tests.rpc import _helpers as H
 
@@ -75,6 +77,10 @@ def _check(rank: int, world_size: int, seeds: list[int]) -> dict[str, int]:
         xs = [H.leaf(seed * 10 + i, *G.SHAPE) for i in range(3)]
         want = _local(program, xs, seed)
         local_calls = {k.split("|")[1]: c for k, c in G.counts(f"{seed}.local").items()}
+        # Every other program: no send carries its lineage, so SMART asks for all of it.
+        walk = 0 if seed % 2 else 64
+        for w in range(world_size):
+            H.query(f"worker{w}", F.set_lineage_walk, walk)
         for mode, passes in (("fast", 1), ("smart", 1), ("smart", 2)):
             got, calls = _distributed(program, xs, seed, mode, passes)
             for name, w in want.items():

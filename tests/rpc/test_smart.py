@@ -57,7 +57,7 @@ def _smart(rank: int, world_size: int) -> None:
         assert [_received("worker1"), _received("worker2")] == [seen[0] + 1, seen[1]]
         lineage_before = _lineage_sent()
         dgrpc.backward(cid, [b], grad_tensors=[v], mode="smart")
-        assert _lineage_sent() - lineage_before == 1  # one query, to worker2 only
+        assert _lineage_sent() - lineage_before == 0  # the result carried its lineage
         torch.testing.assert_close(dgrpc.get_gradients(cid)[x], a_ref + b_ref)
         assert [_received("worker1"), _received("worker2")] == [seen[0] + 1, seen[1] + 1]
 
@@ -77,6 +77,26 @@ def _smart(rank: int, world_size: int) -> None:
     for mode in ("smart", "fast"):
         assert F.drive_loop(mode, "worker1") < 1e-12
         assert H.query("worker1", F.drive_loop, mode, "worker0") < 1e-12
+
+
+def _lineage_carried_or_asked(rank: int, world_size: int) -> None:
+    if rank != 0:
+        return
+    x = H.leaf(3, 3)
+    for ops, queries in ((3, 0), (100, 1)):  # a lineage too large to carry is asked for
+        (ref,) = torch.autograd.grad(F.deep(x * 2.0, ops).sum(), x)
+        before = _lineage_sent()
+        with dgrpc.context() as cid:
+            y = dgrpc.rpc_sync("worker1", F.deep, args=(x * 2.0, ops))
+            dgrpc.backward(cid, [y.sum()], mode="smart")
+            torch.testing.assert_close(dgrpc.get_gradients(cid)[x], ref)
+        assert _lineage_sent() - before == queries, (ops, _lineage_sent() - before)
+
+
+def test_a_send_carries_its_lineage_unless_it_is_too_large_to() -> None:
+    """A result computed in 3 ops carries its lineage (no query); one computed in 100 ops is
+    past the walk's 64 nodes, and SMART asks worker1 for it (one query)."""
+    run_on_ranks(_lineage_carried_or_asked, 2, init="rpc")
 
 
 def test_smart_mode_runs_only_what_reaches_the_roots() -> None:

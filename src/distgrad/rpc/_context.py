@@ -23,6 +23,7 @@ from distgrad.rpc._records import RecvRecord, SendRecord
 from distgrad.rpc._storage import GradientStore
 
 __all__ = [
+    "ANCHOR",
     "DistAutogradContext",
     "GradientSink",
     "PassState",
@@ -62,10 +63,6 @@ class DistAutogradContext:
         # Replaced, never changed in place, so that it can be read without the lock.
         self.known_workers: frozenset[str] = frozenset()
         self.grads = GradientStore()
-        # A leaf every recv node hangs from: a FAST phase asks the engine for its gradient so
-        # that every recv node below the phase's start runs (torch only runs nodes on a path
-        # to a requested input). No gradient ever reaches it.
-        self.anchor = torch.zeros((), requires_grad=True)
         self.active_pass: GradientSink | None = None
         self.passes_in_flight = 0
         self.graph_freed = False
@@ -100,6 +97,10 @@ class DistAutogradContext:
             return dict(self.grads.items())
 
 
+# A leaf every recv node hangs from: a FAST phase asks the engine for its gradient so that
+# every recv node below the phase's start runs (torch only runs nodes on a path to a requested
+# input). No gradient ever reaches it, so one serves every context.
+ANCHOR = torch.zeros((), requires_grad=True)
 # Running totals on this worker, for tests and the benchmark (see debug_state).
 counters: collections.Counter[str] = collections.Counter()
 _registry: dict[int, DistAutogradContext] = {}

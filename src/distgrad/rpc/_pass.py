@@ -25,9 +25,9 @@ from torch.futures import Future
 from distgrad.errors import RpcAutogradError
 from distgrad.rpc import _identity, _transport
 from distgrad.rpc._context import DistAutogradContext, counters
-from distgrad.rpc._records import RecvRecord
+from distgrad.rpc._records import Lineage, RecvRecord
 from distgrad.rpc._storage import own_copies
-from distgrad.rpc._wire import GradientMessage, Lineage, Reply
+from distgrad.rpc._wire import GradientMessage, Reply
 
 __all__ = [
     "HOP_MARGIN_S",

@@ -15,7 +15,16 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-__all__ = ["Leaf", "RecvRecord", "SendRecord", "Target", "edge_of", "node_of", "target_of"]
+__all__ = [
+    "Leaf",
+    "Lineage",
+    "RecvRecord",
+    "SendRecord",
+    "Target",
+    "edge_of",
+    "node_of",
+    "target_of",
+]
 
 # Where a sent tensor's gradient enters this worker's graph: a leaf is kept as itself; any
 # other tensor as its gradient edge (its grad_fn and output number). The edge keeps the graph
@@ -25,6 +34,10 @@ Target: TypeAlias = "Tensor | GradientEdge"
 
 # A leaf tensor requiring grad and its AccumulateGrad node (found by walking the graph).
 Leaf: TypeAlias = "tuple[Tensor, Any]"
+
+# Worker name -> ids of its sends: the sends whose gradients a send's gradient can reach
+# (SMART's lineage; ``None`` where it was too large to carry and must be asked for).
+Lineage: TypeAlias = "dict[str, frozenset[int]]"
 
 
 def target_of(t: Tensor) -> Target:
@@ -60,13 +73,16 @@ def edge_of(target: Target) -> GradientEdge:
 class SendRecord:
     """The sending half of a pair: where the sent tensors' gradients enter, and where they went.
 
-    The last three fields are caches filled on first use by a backward pass: the leaves below
-    the targets (FAST), and every node below them with the recv messages they reach (SMART).
+    ``lineage``: the sends on every worker that this send's gradient reaches, found when it
+    was sent (``None``: too many to carry). The last three fields are caches filled on first
+    use by a backward pass: the leaves below the targets (FAST), and every node below them
+    with the recv messages they reach (SMART).
     """
 
     message_id: int
     to_worker: str
     targets: list[Target]
+    lineage: Lineage | None = None
     leaves: list[Leaf] | None = None
     reach: dict[int, Any] | None = None  # id(node) -> node
     recvs_reached: list[tuple[int, str]] | None = None  # (recv message id, its sender)
@@ -74,9 +90,11 @@ class SendRecord:
 
 @dataclass
 class RecvRecord:
-    """The receiving half of a pair: the sender to ship gradients to."""
+    """The receiving half of a pair: the sender to ship gradients to, and the lineage of the
+    sender's send (carried in the message; ``None`` if unknown)."""
 
     message_id: int
     from_worker: str
     context_id: int
     num_outputs: int
+    lineage: Lineage | None = None

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, fields
-from typing import Any, TypeAlias, TypeVar
+from typing import Any, TypeVar
 
 from torch import Tensor
+
+from distgrad.rpc._records import Lineage
 
 __all__ = [
     "AbortPass",
@@ -24,9 +26,6 @@ __all__ = [
 ]
 
 M = TypeVar("M")
-
-# SMART: worker name -> ids of its sends that take part in a backward pass.
-Lineage: TypeAlias = "dict[str, frozenset[int]]"
 
 
 def _pickled_as_tuple(cls: type[M]) -> type[M]:
@@ -45,7 +44,8 @@ class Envelope:
     """A call's request or answer made inside a context: a payload plus its autograd ids.
 
     ``message_id`` is ``None`` when no tensor in the payload required grad; ``positions``
-    lists, in traversal order of the payload's tensors, those that did.
+    lists, in traversal order of the payload's tensors, those that did; ``lineage`` is the
+    send's lineage (see ``SendRecord``).
     """
 
     context_id: int
@@ -53,6 +53,7 @@ class Envelope:
     payload: Any
     message_id: int | None
     positions: list[int]
+    lineage: Lineage | None = None
 
 
 @_pickled_as_tuple
@@ -98,11 +99,11 @@ class LineageQuery:
 @_pickled_as_tuple
 @dataclass
 class Release:
-    """Drop context ``context_id`` and tell the workers it touched (except ``sender``).
+    """Drop these contexts and tell the workers they touched (except ``sender``).
 
     Answer: one line per worker that could not be reached."""
 
-    context_id: int
+    context_ids: list[int]
     sender: str
 
 

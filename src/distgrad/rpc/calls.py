@@ -215,14 +215,15 @@ def _send_call(
 
 def _envelope(context_id: int, to_name: str, payload: Any) -> Envelope:
     ctx = lookup(context_id)
-    sent, message_id, positions = detach_for_send(ctx, to_name, payload)
-    return Envelope(context_id, _identity.worker_name(), sent, message_id, positions)
+    sent, message_id, positions, lineage = detach_for_send(ctx, to_name, payload)
+    return Envelope(context_id, _identity.worker_name(), sent, message_id, positions, lineage)
 
 
 def _open(envelope: Envelope, from_worker: str) -> Any:
     """Unpack an envelope on its receiver, attaching a recv node where tensors required grad."""
     ctx = get_or_create(envelope.context_id)
-    return attach_recv(ctx, from_worker, envelope.payload, envelope.message_id, envelope.positions)
+    e = envelope
+    return attach_recv(ctx, from_worker, e.payload, e.message_id, e.positions, e.lineage)
 
 
 def _run_inside(request: Envelope, func: Any) -> Any:

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from distgrad.errors import RpcAutogradError
 from distgrad.rpc import _identity, _local
-from distgrad.rpc._context import DistAutogradContext, counters, lookup
+from distgrad.rpc._context import ANCHOR, DistAutogradContext, counters, lookup
 from distgrad.rpc._pass import Pass, as_backward_error, deadline_after, drain, in_flight, phase
 from distgrad.rpc._records import Leaf, SendRecord, Target, node_of
 from distgrad.rpc._wire import GradientMessage, Reply
@@ -88,7 +88,7 @@ def _run_phase(
 ) -> None:
     # The graph is kept: a later message of the same pass may reach the same nodes.
     with phase(ctx, active):
-        taken = _local.run(starts, grads, leaves, (ctx.anchor,))
+        taken = _local.run(starts, grads, leaves, (ANCHOR,))
         ctx.store(taken, foreign)
 
 

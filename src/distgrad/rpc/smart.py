@@ -33,8 +33,8 @@ from distgrad.rpc import _identity, _lineage, _local, _transport
 from distgrad.rpc._context import DistAutogradContext, PassState, counters, lookup
 from distgrad.rpc._local import Cut, Walk
 from distgrad.rpc._pass import Pass, deadline_after, drain, in_flight, pass_error, phase, ship
-from distgrad.rpc._records import RecvRecord, edge_of
-from distgrad.rpc._wire import AbortPass, GradientMessage, Lineage, Reply
+from distgrad.rpc._records import Lineage, RecvRecord, edge_of
+from distgrad.rpc._wire import AbortPass, GradientMessage, Reply
 from distgrad.rpc.send_recv import is_recv_node
 
 __all__ = ["receive", "run_from_roots"]
