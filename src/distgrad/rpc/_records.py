@@ -60,8 +60,10 @@ def node_of(target: Target) -> Any:
         return target.grad_fn
     # torch keeps a leaf's AccumulateGrad only weakly; an op's graph names it (view_as is the
     # cheapest op, clone the one sparse tensors have).
-    with torch.enable_grad():
-        op = target.view_as(target) if target.layout == torch.strided else target.clone()
+    if not torch.is_grad_enabled():
+        with torch.enable_grad():
+            return node_of(target)
+    op = target.view_as(target) if target.layout == torch.strided else target.clone()
     return op.grad_fn.next_functions[0][0]  # type: ignore[union-attr]
 
 
