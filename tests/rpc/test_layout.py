@@ -109,3 +109,26 @@ def test_only_the_transport_and_lifecycle_talk_to_torch_rpc_directly() -> None:
             continue
         text = path.read_text()
         assert "torch_rpc.rpc_async" not in text and "torch_rpc.rpc_sync" not in text, path.name
+
+
+PUBLIC = [
+    "DistAutogradContext",
+    "DistributedOptimizer",
+    "RRef",
+    "backward",
+    "context",
+    "current_context_id",
+    "debug_state",
+    "get_gradients",
+    "init_rpc",
+    "remote",
+    "rpc_async",
+    "rpc_sync",
+    "shutdown",
+]
+
+
+def test_the_public_surface_is_pinned_sorted_and_documented() -> None:
+    assert distgrad.rpc.__all__ == PUBLIC
+    for name in PUBLIC:
+        assert getattr(distgrad.rpc, name).__doc__, f"distgrad.rpc.{name} has no docstring"
