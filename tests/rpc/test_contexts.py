@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -140,3 +141,29 @@ def _recording(rank: int, world_size: int) -> None:
 
 def test_recording_follows_torch_s_graph_cases() -> None:
     run_on_ranks(_recording, 3, init="rpc")
+
+
+def _torch_signature(rank: int, world_size: int, rendezvous: str) -> float:
+    from torch.distributed import rpc as torch_rpc
+
+    options = torch_rpc.TensorPipeRpcBackendOptions(
+        init_method=f"file://{rendezvous}", rpc_timeout=20, _transports=["uv"]
+    )
+    backend = torch_rpc.BackendType.TENSORPIPE  # type: ignore[attr-defined]
+    dgrpc.init_rpc(f"worker{rank}", backend, rank, world_size, options)
+    grad = 0.0
+    if rank == 0:
+        x = H.leaf(1, 3)
+        with dgrpc.context() as cid:
+            y = dgrpc.rpc_sync("worker1", torch.mul, args=(x, x))
+            dgrpc.backward(cid, [y.sum()], False)  # torch's positional retain_graph
+            grad = float((dgrpc.get_gradients(cid)[x] - 2 * x).abs().max())
+    dgrpc.shutdown()
+    dgrpc.shutdown()  # a second shutdown does nothing
+    return grad
+
+
+def test_init_rpc_takes_torch_s_positional_signature(tmp_path: Any) -> None:
+    """init_rpc(name, backend, rank, world_size, rpc_backend_options), as torch's."""
+    results = run_on_ranks(_torch_signature, 2, args=(str(tmp_path / "rdzv"),), init="none")
+    assert results[0] == 0.0
