@@ -167,3 +167,12 @@ def test_init_rpc_takes_torch_s_positional_signature(tmp_path: Any) -> None:
     """init_rpc(name, backend, rank, world_size, rpc_backend_options), as torch's."""
     results = run_on_ranks(_torch_signature, 2, args=(str(tmp_path / "rdzv"),), init="none")
     assert results[0] == 0.0
+
+
+def _shutdown_inside_a_context(rank: int, world_size: int) -> None:
+    with dgrpc.context():
+        dgrpc.shutdown()  # torch's barrier makes its own RPCs: not refused
+
+
+def test_shutdown_works_inside_a_context() -> None:
+    run_on_ranks(_shutdown_inside_a_context, 2, init="rpc")

@@ -82,7 +82,8 @@ def shutdown(graceful: bool = True, timeout: float | None = None) -> None:
         gone = _unreachable_peers(limit) if graceful else []
         if gone:
             problem = f"could not reach {'; '.join(gone)}; left the group without waiting for it"
-        torch_rpc.shutdown(graceful=graceful and not gone, timeout=limit)
+        with _transport.marked():  # torch's barrier makes RPCs, also if called in a context
+            torch_rpc.shutdown(graceful=graceful and not gone, timeout=limit)
     except Exception as exc:
         problem = (
             f"the other workers did not all reach shutdown within {limit:g} s, so this worker "

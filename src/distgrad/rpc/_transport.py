@@ -11,9 +11,10 @@ three call first; outside distgrad contexts it costs one thread-local read per c
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch.distributed import rpc as torch_rpc
@@ -22,29 +23,38 @@ from torch.futures import Future
 from distgrad.errors import RpcAutogradError
 from distgrad.rpc import _identity
 
-__all__ = ["call_async", "describe_error", "install_guard", "ping", "remote"]
+__all__ = ["call_async", "describe_error", "install_guard", "marked", "ping", "remote"]
 
 _marked = threading.local()
+
+
+@contextlib.contextmanager
+def marked() -> Iterator[None]:
+    """Let torch's RPC calls through on this thread (distgrad's own, or torch's shutdown)."""
+    previous = getattr(_marked, "on", False)
+    _marked.on = True
+    try:
+        yield
+    finally:
+        _marked.on = previous
 
 
 def call_async(
     to: str, fn: Callable[..., Any], args: tuple[Any, ...], timeout: float
 ) -> Future[Any]:
     """Send one of distgrad's messages: ``fn(*args)`` on ``to``; a future of its answer."""
+    previous = getattr(_marked, "on", False)  # marked() inlined: this runs on every message
     _marked.on = True
     try:
         return torch_rpc.rpc_async(to, fn, args=args, timeout=timeout)  # type: ignore[no-any-return]
     finally:
-        _marked.on = False
+        _marked.on = previous
 
 
 def remote(to: str, fn: Callable[..., Any], args: tuple[Any, ...], timeout: float) -> Any:
     """``torch.distributed.rpc.remote`` for distgrad's own use; returns torch's RRef."""
-    _marked.on = True
-    try:
+    with marked():
         return torch_rpc.remote(to, fn, args=args, timeout=timeout)
-    finally:
-        _marked.on = False
 
 
 def _pong() -> bool:
