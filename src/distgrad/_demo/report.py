@@ -84,7 +84,9 @@ def _percent(value: float) -> str:
 def _title(fig: Any, curves: list[Curve]) -> None:
     naive = [c for c in curves if c.name == "naive GatherLayer" and c.deviations]
     tail = (
-        f"; naive GatherLayer's gradient {100 * max(naive[0].deviations):.0f}% off" if naive else ""
+        f"; naive GatherLayer's gradient up to {100 * max(naive[0].deviations):.0f}% off"
+        if naive
+        else ""
     )
     fig.suptitle(f"distgrad matches one process to rounding error{tail}", fontsize=11)
 
