@@ -43,6 +43,7 @@ __all__ = [
     "debug_enabled",
     "describe_ranks",
     "dtype_name",
+    "dtype_problem",
     "exchange",
     "message_width",
     "named",
@@ -85,6 +86,29 @@ _DTYPES = {
     if isinstance(value, torch.dtype)
 }
 _NO_DTYPE = -1
+
+# The dtypes no collective can carry, and why; every other dtype torch has is carried as its
+# bytes (bool, complex, float8, float4, bits and unsigned types included: tests/collectives/
+# test_dtypes.py walks them all). Sub-byte integers have no copy kernel ("copy_kernel" not
+# implemented for 'UInt1'), so a send fails on one rank and leaves its peer waiting; quantized
+# tensors carry a scale and zero point besides their bytes, which the backends do not send.
+_SUB_BYTE = frozenset(f"torch.{kind}{bits}" for kind in ("int", "uint") for bits in range(1, 8))
+
+
+def dtype_problem(dtype: torch.dtype) -> str | None:
+    """Why no collective carries ``dtype``, or None when every one does."""
+    name = str(dtype)
+    if name in _SUB_BYTE:
+        return (
+            f"{name} cannot be sent: torch has no kernel that copies sub-byte integer tensors; "
+            "pack the values into torch.uint8 and send that"
+        )
+    if name.startswith(("torch.qint", "torch.quint")):
+        return (
+            f"{name} cannot be sent: a quantized tensor's scale and zero point do not travel "
+            "with its bytes; send x.int_repr() (and the quantization parameters) or x.dequantize()"
+        )
+    return None
 
 
 def _env_debug() -> bool:

@@ -53,7 +53,8 @@ class _Plan:
 class _Gather(torch.autograd.Function):
     @staticmethod
     def run(x: Tensor, plan: _Plan) -> Tensor:
-        out = _ops.gather(c.to_front(x, plan.dim), plan.sizes, plan.root, plan.group)
+        moved = c.as_bytes(c.to_front(x, plan.dim))
+        out = c.from_bytes(_ops.gather(moved, plan.sizes, plan.root, plan.group), x.dtype)
         return c.output(c.from_front(out, plan.dim))  # not the destination: 0 rows along dim
 
     @staticmethod
@@ -74,11 +75,11 @@ class _Gather(torch.autograd.Function):
 class _Scatter(torch.autograd.Function):
     @staticmethod
     def run(x: Tensor | None, plan: _Plan, anchor: Tensor | None) -> Tensor:
-        moved = c.to_front(x, plan.dim) if x is not None else None
-        out = _ops.scatter(
-            moved, plan.sizes, plan.root, plan.trailing, plan.dtype, plan.device, plan.group
-        )
-        return c.output(c.from_front(out, plan.dim))
+        moved = c.as_bytes(c.to_front(x, plan.dim)) if x is not None else None
+        trailing = c.byte_shape(plan.trailing, plan.dtype)
+        dtype = torch.uint8 if trailing != plan.trailing else plan.dtype
+        out = _ops.scatter(moved, plan.sizes, plan.root, trailing, dtype, plan.device, plan.group)
+        return c.output(c.from_front(c.from_bytes(out, plan.dtype), plan.dim))
 
     @staticmethod
     def forward(ctx: FunctionCtx, x: Tensor | None, plan: _Plan, anchor: Tensor | None) -> Tensor:
