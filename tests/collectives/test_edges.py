@@ -202,3 +202,72 @@ def test_a_non_tensor_error_is_raised_without_a_group() -> None:
     """Without a process group (a group of one) the same check is a local error."""
     with pytest.raises(CollectiveArgumentError, match=r"x must be a torch.Tensor, got 1.5"):
         dg.all_reduce(1.5)  # type: ignore[arg-type]
+
+
+def _replicated_with_nan(rank: int, world_size: int) -> list[tuple[str, str]]:
+    dg.set_debug(True)
+    x = torch.ones(2, 3, dtype=torch.float64, requires_grad=True)
+    same = torch.tensor([[float("nan"), 1.0, 2.0]] * (2 * world_size), dtype=torch.float64)
+    differs = same.clone()
+    differs[0, 1] = float("nan") if rank == 1 else 1.0  # NaN on rank 1 only
+    seen = []
+    for v in (same, differs):
+        try:
+            (dg.all_gather(x, objective="replicated") * v).sum().backward()
+        except Exception as exc:
+            seen.append((type(exc).__name__, f"{exc}"))
+        else:
+            seen.append(("no error", ""))
+    return seen
+
+
+def test_the_replicated_check_takes_nan_as_equal_to_nan() -> None:
+    """Bit-identical gradients holding NaN pass; NaN against a number is caught on every rank."""
+    per_rank = run_on_ranks(_replicated_with_nan, 2, timeout=30)
+    for rank, (same, differs) in enumerate(per_rank):
+        assert same == ("no error", ""), f"rank {rank}: {same}"
+        assert differs[0] == "CollectiveMismatchError", f"rank {rank}: {differs}"
+        assert "1 of 2 ranks back-propagate a gradient that differs from rank 0's" in differs[1]
+
+
+_SIZE_CASES: dict[str, Any] = {
+    "reduce_scatter": lambda r: dg.reduce_scatter(
+        torch.ones(4), sizes=[1, 3] if r == 0 else [2, 2]
+    ),
+    "all_to_all": lambda r: dg.all_to_all(
+        torch.ones(4), input_sizes=[1, 3], output_sizes=[1, 3] if r == 0 else [2, 2]
+    ),
+    "gather": lambda r: dg.gather(torch.ones(2 + 2 * r), 0, sizes=[2, 3] if r == 0 else [2, 4]),
+    "scatter": lambda r: dg.scatter(
+        torch.ones(4) if r == 0 else torch.ones(1 + r), 0, sizes=[1, 3] if r == 0 else [2, 2]
+    ),
+}
+# Phrases every rank's message must hold: the sizes as lists, never a checksum.
+_SIZE_PHRASES = {
+    "reduce_scatter": ("ranks disagree on sizes", "rank 0: [1, 3]; rank 1: [2, 2]"),
+    "all_to_all": ("rank 0 expects 3 entries from rank 1", "but rank 1 sends 1 (input_sizes[0])"),
+    "gather": ("ranks disagree on sizes", "rank 0: [2, 3]; rank 1: [2, 4]"),
+    "scatter": ("sizes", "[1, 3]", "[2, 2]"),
+}
+
+
+def _sizes_differ(rank: int, world_size: int) -> dict[str, str]:
+    seen = {}
+    for name, call in _SIZE_CASES.items():
+        try:
+            call(rank)
+        except Exception as exc:
+            seen[name] = f"{type(exc).__name__}: {exc}"
+        else:
+            seen[name] = "no error"
+        assert dg.all_reduce(torch.ones(1)).item() == world_size
+    return seen
+
+
+def test_size_mismatches_name_the_sizes_on_every_rank() -> None:
+    per_rank = run_on_ranks(_sizes_differ, 2, timeout=30)
+    for name, phrases in _SIZE_PHRASES.items():
+        for rank, seen in enumerate(per_rank):
+            message = seen[name]
+            assert message.startswith("Collective"), f"{name} rank {rank}: {message}"
+            assert all(p in message for p in phrases), f"{name} rank {rank}: {message}"
