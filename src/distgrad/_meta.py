@@ -28,6 +28,7 @@ import sys
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from types import CodeType
 from typing import Any
 
 import torch
@@ -43,6 +44,7 @@ __all__ = [
     "debug_enabled",
     "describe_ranks",
     "dtype_name",
+    "dtype_problem",
     "exchange",
     "message_width",
     "named",
@@ -85,6 +87,29 @@ _DTYPES = {
     if isinstance(value, torch.dtype)
 }
 _NO_DTYPE = -1
+
+# The dtypes no collective can carry, and why; every other dtype torch has is carried as its
+# bytes (bool, complex, float8, float4, bits and unsigned types included: tests/collectives/
+# test_dtypes.py walks them all). Sub-byte integers have no copy kernel ("copy_kernel" not
+# implemented for 'UInt1'), so a send fails on one rank and leaves its peer waiting; quantized
+# tensors carry a scale and zero point besides their bytes, which the backends do not send.
+_SUB_BYTE = frozenset(f"torch.{kind}{bits}" for kind in ("int", "uint") for bits in range(1, 8))
+
+
+def dtype_problem(dtype: torch.dtype) -> str | None:
+    """Why no collective carries ``dtype``, or None when every one does."""
+    name = str(dtype)
+    if name in _SUB_BYTE:
+        return (
+            f"{name} cannot be sent: torch has no kernel that copies sub-byte integer tensors; "
+            "pack the values into torch.uint8 and send that"
+        )
+    if name.startswith(("torch.qint", "torch.quint")):
+        return (
+            f"{name} cannot be sent: a quantized tensor's scale and zero point do not travel "
+            "with its bytes; send x.int_repr() (and the quantization parameters) or x.dequantize()"
+        )
+    return None
 
 
 def _env_debug() -> bool:
@@ -219,6 +244,36 @@ def _decode(rank: int, vec: list[int], group_size: int) -> RankCall:
     )
 
 
+# Per code object: a checksum of its file and function name, or 0 for distgrad's own code.
+_FRAME_CODES: dict[CodeType, int] = {}
+
+
+def _stack_site() -> int:
+    """A checksum of the caller's Python stack (each frame's file, function and line), without
+    distgrad's own frames: the same in every process for the same stack.
+
+    Names are checksummed once per code object, so a frame costs a dict lookup and a multiply:
+    0.2 us a frame, where building and hashing the stack's text took 2 us (docs/semantics.md).
+    """
+    site = 0
+    frame: Any = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        named_code = _FRAME_CODES.get(code)
+        if named_code is None:
+            module = frame.f_globals.get("__name__", "")
+            ours = module == "distgrad" or module.startswith("distgrad.")
+            named_code = 0 if ours else _code(f"{code.co_filename} in {code.co_name}") + 1
+            _FRAME_CODES[code] = named_code
+        if named_code:
+            site = (site * 1_000_003 + named_code * 65_599 + frame.f_lasti) & _SITE_MASK
+        frame = frame.f_back
+    return site
+
+
+_SITE_MASK = (1 << 62) - 1
+
+
 def _user_stack() -> list[str]:
     """The caller's Python stack, innermost first, without distgrad's own frames."""
     frames = []
@@ -256,8 +311,7 @@ def exchange(
         problem = f"lists of at most {longest} entries are supported"
     if problem is not None:
         x, args, lists = None, (), ()
-    stack = _user_stack() if _debug else []
-    site = _code("\n".join(stack)) if _debug else 0
+    site = _stack_site() if _debug else 0
     mine = _encode(op, x, args, lists, problem is not None, call, site, group.size)
     if group.pg is None or group.size == 1:
         if problem is not None:
@@ -297,7 +351,7 @@ def exchange(
         "call distgrad.set_debug() with the same value on every rank",
     )
     if _debug and any(c.site != calls[0].site for c in calls):
-        _raise_stacks(desc, group, stack)
+        _raise_stacks(desc, group, _user_stack())
     if any(row[3] for row in rows):
         _raise_problems(desc, group, problem)
     return calls

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from distgrad._meta import dtype_problem
 from distgrad.errors import UnsupportedAdjointError
 
 __all__ = [
@@ -21,8 +22,11 @@ __all__ = [
     "ReduceOp",
     "anchor",
     "apply",
+    "as_bytes",
+    "byte_shape",
     "check_grad_dtype",
     "extent",
+    "from_bytes",
     "from_front",
     "ndim_of",
     "near_even",
@@ -34,6 +38,7 @@ __all__ = [
     "output",
     "partner",
     "rank_problem",
+    "reduce_dtype_problem",
     "sizes_problem",
     "split_sizes",
     "to_front",
@@ -142,6 +147,44 @@ def anchor(x: Tensor | None, required: bool, device: torch.device | None = None)
     return torch.empty(0, device=device if x is None else x.device, requires_grad=True)
 
 
+# What a reduction computes locally with torch, by op: a dtype torch cannot reduce this way
+# (float8, float4, bits; complex max and min) is refused at the call, naming the dtype.
+_LOCAL_REDUCTIONS = {
+    "sum": lambda t: t.sum(),
+    "avg": lambda t: t.sum(),
+    "prod": lambda t: t.prod(),
+    "max": lambda t: t.amax(),
+    "min": lambda t: t.amin(),
+}
+_reducible: dict[tuple[torch.dtype, str, str], str | None] = {}
+
+
+def reduce_dtype_problem(op: str, x: object) -> str | None:
+    """Why ``x``'s dtype cannot be reduced with ``op``, or None (also for a non-tensor ``x``,
+    an unknown ``op`` or a dtype that cannot be sent: those are reported elsewhere).
+
+    Found by asking torch to reduce two entries of that dtype on that device type, once per
+    (dtype, device type, op): the backends reduce what torch's kernels reduce, or less (gloo
+    adds no 16-bit or unsigned integers beyond uint8: docs/semantics.md).
+    """
+    if not isinstance(x, Tensor) or op not in _LOCAL_REDUCTIONS or x.device.type == "meta":
+        return None
+    if dtype_problem(x.dtype) is not None:
+        return None
+    key = (x.dtype, x.device.type, op)
+    if key not in _reducible:
+        try:
+            _LOCAL_REDUCTIONS[op](torch.zeros(2, dtype=x.dtype, device=x.device))
+            _reducible[key] = None
+        except (RuntimeError, NotImplementedError, TypeError) as exc:
+            first = f"{exc}".splitlines()[0] if f"{exc}" else type(exc).__name__
+            _reducible[key] = (
+                f"op={op!r} cannot reduce {x.dtype} tensors (torch: {first}); cast x to a "
+                "dtype torch can reduce, e.g. x.float(), or gather it and reduce it yourself"
+            )
+    return _reducible[key]
+
+
 def check_grad_dtype(desc: str, op: str, x: Tensor) -> None:
     if x.dtype.is_complex and op in ("max", "min") and x.requires_grad:
         raise UnsupportedAdjointError(
@@ -164,6 +207,45 @@ def partner(function: type[torch.autograd.Function], *args: object) -> Tensor:
         return apply(function, *args)
     out: Tensor = function.run(*args)  # type: ignore[attr-defined]
     return out
+
+
+# The dtypes the backends move natively. Every other dtype (complex, float8, float4, bits,
+# int16 and the unsigned types but uint8) is moved as its bytes by the ops that only move
+# data: gloo's broadcast, gather and scatter refuse them ("Invalid scalar type"), and moving
+# bytes is exact for any dtype. Reductions cannot do this; see reduce_dtype_problem.
+_NATIVE = frozenset(
+    {
+        torch.float32,
+        torch.float64,
+        torch.float16,
+        torch.bfloat16,
+        torch.int8,
+        torch.uint8,
+        torch.int32,
+        torch.int64,
+        torch.bool,
+    }
+)
+
+
+def as_bytes(x: Tensor) -> Tensor:
+    """``x`` itself for a natively moved dtype; else its bytes, a uint8 view with one more
+    trailing dim of the item size (the leading dims, which the exchanges split, stay)."""
+    if x.dtype in _NATIVE:
+        return x
+    return x.contiguous().unsqueeze(-1).view(torch.uint8)
+
+
+def from_bytes(y: Tensor, dtype: torch.dtype) -> Tensor:
+    """The inverse of :func:`as_bytes` for a tensor of ``dtype``."""
+    if dtype in _NATIVE:
+        return y
+    return y.view(dtype).squeeze(-1)
+
+
+def byte_shape(trailing: tuple[int, ...], dtype: torch.dtype) -> tuple[int, ...]:
+    """What :func:`as_bytes` makes of a tensor of ``dtype`` whose shape ends in ``trailing``."""
+    return trailing if dtype in _NATIVE else (*trailing, dtype.itemsize)
 
 
 def to_front(x: Tensor, dim: int) -> Tensor:

@@ -38,6 +38,7 @@ from distgrad._meta import (
     RankCall,
     debug_enabled,
     dtype_name,
+    dtype_problem,
     exchange,
     named,
     require_same,
@@ -311,9 +312,13 @@ def sizes_from(
 
 
 def _tensor_problem(x: object, tensor_on: str) -> str | None:
-    if isinstance(x, Tensor) or (x is None and tensor_on == "some"):
+    if isinstance(x, Tensor):
+        return dtype_problem(x.dtype)
+    if x is None and tensor_on == "some":
         return None
-    return f"x must be a torch.Tensor, got {type(x).__name__}"
+    if x is None or isinstance(x, (bool, int, float, complex)):
+        return f"x must be a torch.Tensor, got {x!r}"
+    return f"x must be a torch.Tensor, got {type(x).__module__}.{type(x).__qualname__}"
 
 
 def assume_alike(desc: str, group: Group, values: Sequence[int], known_by: str) -> None:

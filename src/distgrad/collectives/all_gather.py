@@ -51,7 +51,8 @@ class _Plan:
 class _AllGather(torch.autograd.Function):
     @staticmethod
     def run(x: Tensor, plan: _Plan) -> Tensor:
-        gathered = _ops.all_gather(c.to_front(x, plan.dim), plan.sizes, plan.group)
+        moved = c.as_bytes(c.to_front(x, plan.dim))
+        gathered = c.from_bytes(_ops.all_gather(moved, plan.sizes, plan.group), x.dtype)
         return c.output(c.from_front(gathered, plan.dim))
 
     @staticmethod
@@ -210,7 +211,7 @@ def reduce_scatter(
     name = c.op_name(op)
     desc = f"reduce_scatter(op={name!r}, dim={dim})"
     dim, problem = c.normalize_dim(dim, c.ndim_of(x))
-    problem = problem or c.op_problem(name)
+    problem = problem or c.op_problem(name) or c.reduce_dtype_problem(name, x)
     plan_sizes, size_problem = c.split_sizes("sizes", sizes, c.extent(x, dim), g.size)
     problem = problem or size_problem
     g, _ = REDUCE_SCATTER.check(

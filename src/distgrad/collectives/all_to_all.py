@@ -44,9 +44,9 @@ class _Plan:
 class _AllToAll(torch.autograd.Function):
     @staticmethod
     def run(x: Tensor, plan: _Plan) -> Tensor:
-        moved = c.to_front(x, plan.dim)
+        moved = c.as_bytes(c.to_front(x, plan.dim))
         out = _ops.all_to_all(moved, plan.input_sizes, plan.output_sizes, plan.group)
-        return c.output(c.from_front(out, plan.dim))
+        return c.output(c.from_front(c.from_bytes(out, x.dtype), plan.dim))
 
     @staticmethod
     def forward(ctx: FunctionCtx, x: Tensor, plan: _Plan) -> Tensor:

@@ -38,7 +38,8 @@ class _Plan:
 class _Broadcast(torch.autograd.Function):
     @staticmethod
     def run(x: Tensor, plan: _Plan) -> Tensor:
-        return c.output(_ops.broadcast(x, plan.root, plan.group))
+        out = _ops.broadcast(c.as_bytes(x), plan.root, plan.group)
+        return c.output(c.from_bytes(out, x.dtype))
 
     @staticmethod
     def forward(ctx: FunctionCtx, x: Tensor, plan: _Plan) -> Tensor:
@@ -139,6 +140,7 @@ def reduce(
     name = c.op_name(op)
     desc = f"reduce(dst={dst}, op={op!r})"
     problem = c.rank_problem("dst", dst, g.size) or c.op_problem(name)
+    problem = problem or c.reduce_dtype_problem(name, x)
     g, _ = REDUCE.check(g, desc, x, {"dst": dst, "op": name}, problem=problem)
     c.check_grad_dtype(desc, name, x)
     if g.size == 1:

@@ -53,7 +53,8 @@ class _Plan:
 class _Gather(torch.autograd.Function):
     @staticmethod
     def run(x: Tensor, plan: _Plan) -> Tensor:
-        out = _ops.gather(c.to_front(x, plan.dim), plan.sizes, plan.root, plan.group)
+        moved = c.as_bytes(c.to_front(x, plan.dim))
+        out = c.from_bytes(_ops.gather(moved, plan.sizes, plan.root, plan.group), x.dtype)
         return c.output(c.from_front(out, plan.dim))  # not the destination: 0 rows along dim
 
     @staticmethod
@@ -74,15 +75,16 @@ class _Gather(torch.autograd.Function):
 class _Scatter(torch.autograd.Function):
     @staticmethod
     def run(x: Tensor | None, plan: _Plan, anchor: Tensor | None) -> Tensor:
-        moved = c.to_front(x, plan.dim) if x is not None else None
-        out = _ops.scatter(
-            moved, plan.sizes, plan.root, plan.trailing, plan.dtype, plan.device, plan.group
-        )
-        return c.output(c.from_front(out, plan.dim))
+        moved = c.as_bytes(c.to_front(x, plan.dim)) if x is not None else None
+        trailing = c.byte_shape(plan.trailing, plan.dtype)
+        dtype = torch.uint8 if trailing != plan.trailing else plan.dtype
+        out = _ops.scatter(moved, plan.sizes, plan.root, trailing, dtype, plan.device, plan.group)
+        return c.output(c.from_front(c.from_bytes(out, plan.dtype), plan.dim))
 
     @staticmethod
     def forward(ctx: FunctionCtx, x: Tensor | None, plan: _Plan, anchor: Tensor | None) -> Tensor:
         ctx.plan = plan  # type: ignore[attr-defined]
+        ctx.anchor_like = anchor.detach() if anchor is not None else None  # type: ignore[attr-defined]
         return _Scatter.run(x, plan, anchor)
 
     @staticmethod
@@ -91,7 +93,12 @@ class _Scatter(torch.autograd.Function):
         check_backward_order("scatter", plan.group)
         full = c.partner(_Gather, grad, plan)
         is_root = plan.group.rank == plan.root
-        return (full if is_root and ctx.needs_input_grad[0] else None), None, None
+        # A receiver's x (the anchor) only describes its part; its values reach no output, so
+        # its gradient is zeros, and torch.autograd.grad may ask for it like any input.
+        anchor = (
+            ctx.anchor_like.new_zeros(ctx.anchor_like.shape) if ctx.needs_input_grad[2] else None
+        )
+        return (full if is_root and ctx.needs_input_grad[0] else None), None, anchor
 
 
 def apply_gather(x: Tensor, group: Group, sizes: tuple[int, ...], dim: int, dst: int) -> Tensor:
@@ -255,5 +262,9 @@ def _scatter_as_the_source_says(
     device = x.device if isinstance(x, Tensor) else _comm.metadata_device(g)
     plan = _Plan(g, sizes, dim, src, trailing, source.dtype, device)
     mine = x if is_src else None
+    if not is_src and isinstance(x, Tensor) and x.requires_grad:
+        # A receiver's x shaped like its part is its anchor, as in unchecked calls, so that
+        # torch.autograd.grad can ask for it (and so run this rank's half of the backward).
+        return c.apply(_Scatter, None, plan, x)
     required = source.requires_grad and source.grad_mode
     return c.apply(_Scatter, mine, plan, c.anchor(mine, required, device))

@@ -46,7 +46,9 @@ class _Plan:
 class _Permute(torch.autograd.Function):
     @staticmethod
     def run(x: Tensor, plan: _Plan) -> Tensor:
-        return c.output(_ops.permute(x, plan.perm, plan.recv_shape, plan.group))
+        recv_shape = c.byte_shape(plan.recv_shape, x.dtype)
+        out = _ops.permute(c.as_bytes(x), plan.perm, recv_shape, plan.group)
+        return c.output(c.from_bytes(out, x.dtype))
 
     @staticmethod
     def forward(ctx: FunctionCtx, x: Tensor, plan: _Plan) -> Tensor:
