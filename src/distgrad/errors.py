@@ -5,7 +5,6 @@ The hierarchy::
     DistgradError
     ├── CollectiveArgumentError    a collective was called with invalid arguments (a ValueError)
     │   └── CollectiveMismatchError    ranks disagree on shape, dtype, device or arguments
-    ├── UnsupportedAdjointError    the gradient is not defined for this call (raised at the call)
     ├── CheckArgumentError         the checker cannot use its arguments (a ValueError)
     ├── NotALossError              the checked function returned no scalar loss (a TypeError)
     ├── GradientMismatchError      the checker found a gradient that differs from the reference
@@ -31,7 +30,6 @@ __all__ = [
     "RankFailedError",
     "RpcAutogradError",
     "UnknownContextError",
-    "UnsupportedAdjointError",
 ]
 
 
@@ -53,10 +51,6 @@ class CollectiveMismatchError(CollectiveArgumentError):
     Raised on every rank of the group with the same message, which names the op, the ranks
     that disagree and what each of them passed.
     """
-
-
-class UnsupportedAdjointError(DistgradError):
-    """The gradient of this call is not defined; raised when the op is called, not in backward."""
 
 
 class CheckArgumentError(DistgradError, ValueError):

@@ -13,7 +13,6 @@ import torch.distributed as dist
 from torch import Tensor
 
 from distgrad._meta import dtype_problem
-from distgrad.errors import UnsupportedAdjointError
 
 __all__ = [
     "OBJECTIVES",
@@ -24,7 +23,6 @@ __all__ = [
     "apply",
     "as_bytes",
     "byte_shape",
-    "check_grad_dtype",
     "extent",
     "from_bytes",
     "from_front",
@@ -183,14 +181,6 @@ def reduce_dtype_problem(op: str, x: object) -> str | None:
                 "dtype torch can reduce, e.g. x.float(), or gather it and reduce it yourself"
             )
     return _reducible[key]
-
-
-def check_grad_dtype(desc: str, op: str, x: Tensor) -> None:
-    if x.dtype.is_complex and op in ("max", "min") and x.requires_grad:
-        raise UnsupportedAdjointError(
-            f"{desc}: op={op!r} has no gradient for complex tensors (complex numbers are not "
-            "ordered)"
-        )
 
 
 def apply(function: type[torch.autograd.Function], *args: object) -> Tensor:

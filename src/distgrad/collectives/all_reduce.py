@@ -111,5 +111,4 @@ def all_reduce(
     problem = c.op_problem(name) or c.objective_problem(objective)
     problem = problem or c.reduce_dtype_problem(name, x)
     g, _ = SIGNATURE.check(g, desc, x, {"op": name, "objective": objective}, problem=problem)
-    c.check_grad_dtype(desc, name, x)
     return apply_all_reduce(x, g, name, objective)
