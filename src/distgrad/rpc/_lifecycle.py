@@ -90,6 +90,7 @@ def shutdown(graceful: bool = True, timeout: float | None = None) -> None:
             f"left without them ({_transport.describe_error(exc)})"
         )
     finally:
+        _release.forget()
         _context.forget_all()
         _identity.forget()
     if problem is not None:

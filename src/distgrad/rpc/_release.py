@@ -18,19 +18,34 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from torch.futures import Future
 
 from distgrad.rpc import _context, _identity, _transport
 from distgrad.rpc._wire import Release
 
-__all__ = ["drop_riding", "release", "release_in_background", "riding", "wait_for_releases"]
+__all__ = [
+    "carry",
+    "drop_riding",
+    "forget",
+    "receive",
+    "release",
+    "release_in_background",
+    "wait_for_releases",
+]
+
+T = TypeVar("T")
 
 _RELEASE_TIMEOUT_S = 10.0
 _GATHER_S = 0.005  # how long a release waits for a call to ride on before it is sent alone
 
 _lock = threading.Lock()
-_outbox: dict[str, list[int]] = {}  # worker -> ids of contexts to release there; under _lock
+# worker -> (context id, time.monotonic() when queued) of the releases waiting for it
+_outbox: dict[str, list[tuple[int, float]]] = {}  # under _lock
 _rode: set[str] = set()  # workers that took releases riding on calls since the last wait
+_rides: list[_Ride] = []  # calls carrying releases, kept until settled; under _lock
 _wake = threading.Event()  # set when the outbox has something for the sender thread
 _sender: threading.Thread | None = None
 _pending: list[Any] = []  # futures of release messages sent and not yet waited for
@@ -57,28 +72,82 @@ def release_in_background(context_id: int) -> None:
 
 
 def _queue(ctx: _context.DistAutogradContext, sender: str | None) -> None:
-    global _sender
     peers = _peers_of(ctx, sender)
-    if not peers:
-        return
+    if peers:
+        _put({peer: [ctx.context_id] for peer in peers})
+
+
+def _put(by_peer: dict[str, list[int]]) -> None:
+    """Add releases to the outbox, and make sure the sender thread will send what stays."""
+    global _sender
+    now = time.monotonic()
     with _lock:
-        for peer in peers:
-            _outbox.setdefault(peer, []).append(ctx.context_id)
+        for peer, context_ids in by_peer.items():
+            _outbox.setdefault(peer, []).extend((cid, now) for cid in context_ids)
         if _sender is None or not _sender.is_alive():
             _sender = threading.Thread(target=_send_loop, name="distgrad-releases", daemon=True)
             _sender.start()
     _wake.set()
 
 
-def riding(peer: str) -> list[int] | None:
-    """Take the releases waiting for ``peer``: they ride on the call about to go to it."""
+def carry(peer: str, send: Callable[[list[int] | None], Future[T]]) -> Future[T]:
+    """Make a call to ``peer`` with ``send(releases)``, the releases waiting for ``peer`` riding
+    on it (``None`` if there are none); returns ``send``'s future.
+
+    The receiver drops them before serving the call (:func:`drop_riding`). If the call fails
+    (it may not have reached ``peer``), they go back to the outbox and are sent alone; a
+    release that arrives twice finds nothing the second time.
+    """
+    context_ids = _riding(peer)
+    if context_ids is None:
+        return send(None)
+    try:
+        fut = send(context_ids)
+    except BaseException:
+        _put({peer: context_ids})
+        raise
+    ride = _Ride(peer, context_ids, fut)
+    with _lock:
+        _rides[:] = [r for r in _rides if not r.settled]
+        _rides.append(ride)
+    fut.add_done_callback(ride.settle)
+    return fut
+
+
+def _riding(peer: str) -> list[int] | None:
+    """Take the releases waiting for ``peer``."""
     if peer not in _outbox:  # read without the lock: the common case is one dict lookup
         return None
     with _lock:
-        ids = _outbox.pop(peer, None)
-        if ids:
-            _rode.add(peer)
-    return ids
+        waiting = _outbox.pop(peer, None)
+        if not waiting:
+            return None
+        _rode.add(peer)
+    return [cid for cid, _ in waiting]
+
+
+class _Ride:
+    """Releases riding on a call: settled when the call's answer (or failure) arrives."""
+
+    def __init__(self, peer: str, context_ids: list[int], fut: Future[Any]) -> None:
+        self.peer = peer
+        self.context_ids = context_ids
+        self.fut = fut
+        self.settled = False
+
+    def settle(self, _: object = None) -> None:
+        """Wait for the call; if it failed, put its releases back in the outbox (once)."""
+        try:
+            self.fut.wait()
+            failed = False
+        except Exception:
+            failed = True
+        with _lock:
+            if self.settled:
+                return
+            self.settled = True
+        if failed:
+            _put({self.peer: self.context_ids})
 
 
 def drop_riding(context_ids: list[int], sender: str) -> None:
@@ -94,18 +163,37 @@ def _send_loop() -> None:
     while True:
         _wake.wait()
         _wake.clear()
-        time.sleep(_GATHER_S)
-        _flush()
+        pause: float | None = _GATHER_S
+        while pause is not None:
+            time.sleep(pause)
+            pause = _flush(_GATHER_S)
 
 
-def _flush() -> None:
-    """Send every release still in the outbox, one message per worker."""
-    global _outbox, _sending
+def _flush(min_age: float = 0.0) -> float | None:
+    """Send the releases that have waited ``min_age`` seconds, one message per worker.
+
+    Returns how long until the next one left has waited that long (``None``: none left).
+    """
+    global _sending
     with _done:
         _sending += 1
     try:
+        batch: dict[str, list[int]] = {}
+        cutoff = time.monotonic() - min_age
+        oldest_left: float | None = None
         with _lock:
-            batch, _outbox = _outbox, {}
+            for peer in list(_outbox):
+                waiting = _outbox[peer]
+                due = [cid for cid, queued in waiting if queued <= cutoff]
+                if due:
+                    batch[peer] = due
+                left = [(cid, queued) for cid, queued in waiting if queued > cutoff]
+                if left:
+                    _outbox[peer] = left
+                    first = left[0][1]
+                    oldest_left = first if oldest_left is None else min(oldest_left, first)
+                else:
+                    del _outbox[peer]
         me = _identity.worker_name() if batch else ""
         futures = []
         for peer, context_ids in batch.items():
@@ -120,23 +208,33 @@ def _flush() -> None:
         with _done:
             _sending -= 1
             _done.notify_all()
+    if oldest_left is None:
+        return None
+    return max(oldest_left + min_age - time.monotonic(), 0.0)
 
 
 def _send(peer: str, context_ids: list[int], me: str) -> Any:
     message = Release(context_ids, me)
+    _context.counters["release_messages_sent"] += 1
     return _transport.call_async(peer, receive, (message,), _RELEASE_TIMEOUT_S)
 
 
 def wait_for_releases(timeout: float = _RELEASE_TIMEOUT_S, *, transitive: bool = True) -> None:
     """Send the releases waiting here and wait until the workers they go to have dropped the
-    contexts (each wait bounded by ``timeout``).
+    contexts (each wait bounded by ``timeout``); calls still carrying releases are waited for
+    first.
 
     ``transitive``: also ask every worker that took releases riding on calls since the last
     wait to do the same, since it may still hold forwards of them in its own outbox (then, when
-    this returns, no worker holds a context released here). ``shutdown`` needs only this
-    worker's: every worker runs its own before leaving.
+    this returns, no worker holds a context released here). ``shutdown`` uses it, so that a
+    worker leaves only once the contexts it released are gone everywhere, as before releases
+    rode on calls (a release message's handler forwards it and waits).
     """
     global _rode
+    with _lock:
+        rides, _rides[:] = list(_rides), []
+    for ride in rides:  # a failed call puts its releases back before the flush below
+        ride.settle()
     _flush()
     with _done:
         _done.wait_for(lambda: _sending == 0, timeout=timeout)
@@ -155,6 +253,15 @@ def wait_for_releases(timeout: float = _RELEASE_TIMEOUT_S, *, transitive: bool =
             fut.wait()
         except Exception:
             _context.counters["release_failures"] += 1
+
+
+def forget() -> None:
+    """Drop the releases still waiting (this worker left its RPC group)."""
+    global _rode
+    with _lock:
+        _outbox.clear()
+        _rides.clear()
+        _rode = set()
 
 
 def _finish(timeout: float) -> None:
