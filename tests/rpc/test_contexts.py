@@ -169,6 +169,33 @@ def test_init_rpc_takes_torch_s_positional_signature(tmp_path: Any) -> None:
     assert results[0] == 0.0
 
 
+def _releases_ride_on_calls(rank: int, world_size: int) -> None:
+    if rank != 0:
+        return
+    x = H.leaf(3, 2)
+    before = [s["release_messages_sent"] for s in H.states(world_size)]
+    steps = 30
+    for _ in range(steps):  # A -> B -> C: B forwards each release to C on its next call there
+        with dgrpc.context():
+            F.chain(x, ["worker1", "worker2"], local=False)
+    after = [s["release_messages_sent"] for s in H.states(world_size)]
+    sent = [a - b for a, b in zip(after, before, strict=True)]
+    # Each release rides on the next step's call; only the last step's (and one that found
+    # no call within 5 ms on a loaded machine) goes out as a message.
+    assert sum(sent) < steps // 3, sent
+    # A call that fails before it leaves (its argument does not pickle) keeps its releases.
+    with dgrpc.context():
+        F.chain(x, ["worker1", "worker2"], local=False)
+    with pytest.raises(AttributeError, match="pickle"), dgrpc.context():
+        dgrpc.rpc_sync("worker1", torch.neg, args=(lambda: None,))
+    H.no_state_left(world_size)
+
+
+def test_releases_ride_on_the_next_call_and_reach_every_worker() -> None:
+    """30 contexts along A -> B -> C send few release messages and leave no state anywhere."""
+    run_on_ranks(_releases_ride_on_calls, 3, init="rpc")
+
+
 def _shutdown_inside_a_context(rank: int, world_size: int) -> None:
     with dgrpc.context():
         dgrpc.shutdown()  # torch's barrier makes its own RPCs: not refused

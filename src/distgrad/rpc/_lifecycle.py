@@ -50,6 +50,7 @@ def init_rpc(
             "init_rpc: pass either rpc_backend_options or the init_method/timeout shortcuts"
         )
     _identity.forget()
+    _transport.forget()
     _identity.set_rpc_timeout(rpc_backend_options.rpc_timeout)
     torch_rpc.init_rpc(  # type: ignore[no-untyped-call]
         name,
@@ -90,6 +91,8 @@ def shutdown(graceful: bool = True, timeout: float | None = None) -> None:
             f"left without them ({_transport.describe_error(exc)})"
         )
     finally:
+        _release.forget()
+        _transport.forget()
         _context.forget_all()
         _identity.forget()
     if problem is not None:

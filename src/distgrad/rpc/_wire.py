@@ -45,7 +45,8 @@ class Envelope:
 
     ``message_id`` is ``None`` when no tensor in the payload required grad; ``positions``
     lists, in traversal order of the payload's tensors, those that did; ``lineage`` is the
-    send's lineage (see ``SendRecord``).
+    send's lineage (see ``SendRecord``). A request may carry ``releases``: ids of contexts the
+    sender released, which the receiver drops before serving it (see ``_release``).
     """
 
     context_id: int
@@ -54,6 +55,7 @@ class Envelope:
     message_id: int | None
     positions: list[int]
     lineage: Lineage | None = None
+    releases: list[int] | None = None
 
 
 @_pickled_as_tuple

@@ -8,7 +8,9 @@ the same context, so RPCs it makes in turn are recorded too (chains and loops). 
 functions travel by their qualified name and are looked up on the callee, as torch does.
 
 Cost per call inside a context: no extra message; one record per direction that carries
-tensors requiring grad; the tensors are detached before they are sent.
+tensors requiring grad; the tensors are detached before they are sent. A call inside a context
+also carries the releases of contexts this worker closed that wait for its callee (see
+``_release``), so that a training loop's releases cost no message of their own.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from torch.distributed import rpc as torch_rpc
 from torch.futures import Future
 
 from distgrad.errors import RpcAutogradError
-from distgrad.rpc import _identity, _liveness, _transport
+from distgrad.rpc import _identity, _liveness, _release, _transport
 from distgrad.rpc._context import get_or_create, lookup
 from distgrad.rpc._wire import Envelope
 from distgrad.rpc.send_recv import attach_recv, detach_for_send
@@ -209,8 +211,13 @@ def _send_call(
     """Send the request of a call made inside a context; the future's value is the answer."""
     to_name = _identity.name_of(to)
     request = _envelope(context_id, to_name, (tuple(args or ()), dict(kwargs or {})))
-    fut = _transport.call_async(to_name, _serve_call, (request, _by_reference(func)), timeout)
-    return to_name, fut
+    wire_func = _by_reference(func)
+
+    def send(releases: list[int] | None) -> Future[Envelope]:
+        request.releases = releases
+        return _transport.call_async(to_name, _serve_call, (request, wire_func), timeout)
+
+    return to_name, _release.carry(to_name, send)
 
 
 def _envelope(context_id: int, to_name: str, payload: Any) -> Envelope:
@@ -229,6 +236,8 @@ def _open(envelope: Envelope, from_worker: str) -> Any:
 def _run_inside(request: Envelope, func: Any) -> Any:
     _transport.install_guard()
     _liveness.ensure_started()
+    if request.releases:
+        _release.drop_riding(request.releases, request.sender)
     if isinstance(func, _ScriptFunctionRef):
         func = func.resolve()
     args, kwargs = _open(request, request.sender)

@@ -39,7 +39,9 @@ def context(*, wait_for_release: bool = False) -> Iterator[int]:
     :class:`~distgrad.errors.RpcAutogradError` if one could not be reached (unless the block
     itself raised). :func:`~distgrad.rpc.shutdown` waits for releases still in flight.
 
-    Cost: creating a context is local; on exit, one release message per worker it touched.
+    Cost: creating a context is local. On exit, the release for each worker it touched rides
+    on this worker's next call to that worker made inside a context (no message of its own);
+    releases that find no call within 5 ms go out as one message per worker.
     """
     if current_context_id() is not None:
         raise RpcAutogradError(
@@ -83,6 +85,7 @@ _COUNTER_NAMES = (
     "gradient_replies_received",
     "lineage_messages_sent",
     "engine_runs",
+    "release_messages_sent",
     "release_failures",
     "contexts_dropped_peer_gone",
 )
@@ -98,8 +101,9 @@ def debug_state() -> dict[str, int]:
     ``gradient_messages_received``, ``gradient_replies_sent`` and ``gradient_replies_received``
     (gradients that rode back inside the answer to a gradient message),
     ``lineage_messages_sent``, ``engine_runs`` (calls of the local autograd engine),
-    ``release_failures`` and ``contexts_dropped_peer_gone`` (contexts released because a
-    worker they involve stopped answering).
+    ``release_messages_sent`` (release messages: for releases that found no call to ride on,
+    or with ``wait_for_release=True``), ``release_failures`` and ``contexts_dropped_peer_gone``
+    (contexts released because a worker they involve stopped answering).
     """
     contexts = _context.live_contexts()
     return {
