@@ -14,9 +14,13 @@ the machine's noise; each timing is the slower rank's, between two barriers. Var
 * funcol: ``torch.distributed._functional_collectives`` autograd variants.
 * all_reduce+slice: a hand-written all_gather whose backward all_reduces the whole gradient and
   keeps its slice (a common hand-written fix).
-* distgrad: this library (including its metadata handshake).
-* distgrad w/o handshake: the same autograd Functions entered past the handshake (the
-  internal ``apply_*`` helpers), to separate the handshake's cost from the rest.
+* distgrad: this library past the calls it checks across ranks (the first 8 on a group), with
+  the sizes given where an op takes them (``sizes=[n] * W``): its training-loop path, which
+  sends nothing but the data.
+* distgrad, sizes learned: all_gather without ``sizes=``, which exchanges them every call.
+* distgrad, debug mode: every call checked across ranks (``dg.set_debug(True)``), backward too.
+* distgrad compiled, funcol compiled: the op (forward and its backward) under
+  ``torch.compile(fullgraph=True)``, inductor backend.
 
 Shapes are each rank's input. Run: ``python benchmarks/collectives.py [--quick]``; writes
 ``benchmarks/results/collectives.md``.
@@ -45,8 +49,7 @@ import distgrad as dg
 from distgrad import _comm
 from distgrad._group import resolve
 from distgrad._meta import exchange
-from distgrad.collectives.all_gather import apply_all_gather, apply_reduce_scatter
-from distgrad.collectives.all_reduce import apply_all_reduce
+from distgrad.collectives._signature import CHECKED_CALLS
 from distgrad.testing import run_on_ranks
 
 SHAPES = [(256, 128), (4096, 512), (16384, 1024)]
@@ -132,6 +135,22 @@ def _variants(op: str) -> dict[str, Step]:
 
         return step
 
+    def debug(fn: Callable[[torch.Tensor], torch.Tensor]) -> Step:
+        def step(x: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            dg.set_debug(True)
+            try:
+                return autograd(fn)(x, v)
+            finally:
+                dg.set_debug(False)
+
+        return step
+
+    def compiled(fn: Callable[[torch.Tensor], torch.Tensor]) -> Step:
+        return autograd(torch.compile(fn, fullgraph=True, dynamic=False))
+
+    def even(x: torch.Tensor) -> list[int]:
+        return [x.shape[0]] * n
+
     if op == "all_gather":
         return {
             "floor": raw(_ideal_all_gather, _ideal_reduce_scatter),
@@ -139,10 +158,11 @@ def _variants(op: str) -> dict[str, Step]:
             "torch.distributed.nn": autograd(lambda x: torch.cat(dist_nn.all_gather(x))),  # type: ignore[no-untyped-call]
             "funcol": autograd(lambda x: funcol.all_gather_tensor_autograd(x, 0, world)),
             "all_reduce+slice": autograd(_AllReduceThenSlice.apply),
-            "distgrad": autograd(dg.all_gather),
-            "distgrad w/o handshake": autograd(
-                lambda x: apply_all_gather(x, group, (x.shape[0],) * n, 0, "sum", True)
-            ),
+            "distgrad": autograd(lambda x: dg.all_gather(x, sizes=even(x))),
+            "distgrad, sizes learned": autograd(dg.all_gather),
+            "distgrad, debug mode": debug(lambda x: dg.all_gather(x, sizes=even(x))),
+            "distgrad compiled": compiled(lambda x: dg.all_gather(x, sizes=even(x))),
+            "funcol compiled": compiled(lambda x: funcol.all_gather_tensor_autograd(x, 0, world)),
         }
     if op == "all_reduce":
         return {
@@ -150,9 +170,9 @@ def _variants(op: str) -> dict[str, Step]:
             "torch.distributed.nn": autograd(dist_nn.all_reduce),
             "funcol": autograd(lambda x: funcol.all_reduce(x, "sum", world)),
             "distgrad": autograd(dg.all_reduce),
-            "distgrad w/o handshake": autograd(
-                lambda x: apply_all_reduce(x, group, "sum", "sum", True)
-            ),
+            "distgrad, debug mode": debug(dg.all_reduce),
+            "distgrad compiled": compiled(dg.all_reduce),
+            "funcol compiled": compiled(lambda x: funcol.all_reduce(x, "sum", world)),
         }
     return {
         "floor": raw(_ideal_reduce_scatter, _ideal_all_gather),
@@ -160,8 +180,10 @@ def _variants(op: str) -> dict[str, Step]:
         "torch.distributed.nn": autograd(_nn_reduce_scatter),
         "funcol": autograd(lambda x: funcol.reduce_scatter_tensor_autograd(x, "sum", 0, world)),
         "distgrad": autograd(dg.reduce_scatter),
-        "distgrad w/o handshake": autograd(
-            lambda x: apply_reduce_scatter(x, group, (x.shape[0] // n,) * n, 0, "sum", True)
+        "distgrad, debug mode": debug(dg.reduce_scatter),
+        "distgrad compiled": compiled(dg.reduce_scatter),
+        "funcol compiled": compiled(
+            lambda x: funcol.reduce_scatter_tensor_autograd(x, "sum", 0, world)
         ),
     }
 
@@ -191,18 +213,22 @@ def _timed(step: Step, x: torch.Tensor, v: torch.Tensor) -> float:
 
 
 def _handshake_time(x: torch.Tensor, iters: int) -> float:
+    """The metadata exchange alone: what a checked call, or one that learns sizes, adds."""
     group = resolve(None)
     times = []
     for _ in range(iters):
         dist.barrier()
         start = time.perf_counter()
-        exchange("all_reduce", "all_reduce", group, x)
+        exchange("all_reduce", "all_reduce", group, x, [0, 0, 1])
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
 def _bench(rank: int, world_size: int, quick: bool) -> dict[str, Any]:
     warnings.filterwarnings("ignore")  # torch.distributed.nn and old names warn on every call
+    torch._inductor.config.compile_threads = 1  # two ranks on two cores
+    for _ in range(CHECKED_CALLS):  # past the calls distgrad checks across ranks
+        dg.all_reduce(torch.zeros(1))
     results: dict[str, Any] = {}
     for shape in SHAPES:
         iters = 3 if quick else ITERATIONS[shape[0]]
@@ -238,10 +264,13 @@ def _table_names() -> list[str]:
         "floor",
         "floor (torch ops)",
         "distgrad",
-        "distgrad w/o handshake",
         "torch.distributed.nn",
         "funcol",
         "all_reduce+slice",
+        "distgrad, sizes learned",
+        "distgrad, debug mode",
+        "distgrad compiled",
+        "funcol compiled",
     ]
 
 
@@ -319,7 +348,8 @@ def main() -> None:
             "",
             *_table(results),
             "",
-            "The metadata handshake alone, next to a whole distgrad all_reduce forward+backward:",
+            "The metadata exchange alone (what a checked call, or one that learns its sizes, "
+            "adds), next to a whole distgrad all_reduce forward+backward:",
             "",
             *_handshake_lines(results),
             "",
@@ -338,9 +368,9 @@ def main() -> None:
         "the median over rounds of the variant's time over the floor's time in the same round. "
         "Rounds per run: "
         + ", ".join(f"{n} at {s}" for s, n in zip(SHAPES, ITERATIONS.values(), strict=True))
-        + ". Every distgrad forward call first all_gathers a 48-int64 description of each "
-        "rank's call (see docs/semantics.md); 'distgrad w/o handshake' enters the same autograd "
-        "Functions past it.",
+        + ". distgrad runs past the first 8 calls on the group, which it checks across ranks; "
+        "from then on a call with its sizes sends only its data (docs/semantics.md). The "
+        "compiled variants were compiled before the rounds (not timed).",
         "",
         "## Summary: ratio to the floor, median over the runs (range over the runs)",
         "",

@@ -8,11 +8,13 @@ context, make the RPCs, compute a loss, run the distributed backward, leave the 
 Workloads:
 
 * add, 2 workers: ``rpc_sync`` of ``torch.add`` on two tensors requiring grad (3x3, 1000x1000),
-  loss ``sum``; issue 5's targets: within 1.5x of torch's C++ engine at 3x3, 1.1x at 1000x1000.
+  loss ``sum``. Issue 13's targets compare with torch's engine driving the same round trip with
+  a Python function (the next variant): FAST within 1.10x, SMART within 1.4x.
 * chain, 4 workers: worker0 -> worker1 -> worker2 -> worker3, each hop one op, 3x3.
 * add, torch with a Python function: torch's engine on the same round trip, with the remote
   call a Python function instead of the builtin ``torch.add`` (every distgrad call is a Python
-  function on the callee): the share of the gap that is the Python call itself.
+  function on the callee): the honest comparison for an engine in Python, since users' remote
+  calls are Python functions too.
 * fan-out, 4 workers: worker0 calls each of the 3 others twice and uses only one result of
   each pair (half the RPC outputs unused), 3x3. torch's FAST engine waits forever for the
   unused sends' gradients, so it is not run there.
@@ -22,7 +24,9 @@ Workloads:
 back inside the answer to a gradient message (FAST) are not messages of their own. It is
 counted in separate iterations, so that the counting RPCs stay out of the timed ones.
 
-Run: ``python benchmarks/rpc_autograd.py [--quick]``; writes ``benchmarks/results/rpc_autograd.md``.
+Run: ``python benchmarks/rpc_autograd.py [--quick] [--runs N]``; writes
+``benchmarks/results/rpc_autograd.md`` (each run, then the median over runs of each paired
+ratio, with its range).
 """
 
 from __future__ import annotations
@@ -144,15 +148,7 @@ def _bench(rank: int, world_size: int, cases: list[tuple[str, int, int]]) -> lis
                 for _ in range(_COUNTED):
                     variants[name]()
                 messages[name] = (_total_messages(world_size) - before) / _COUNTED
-        torch_times = times.get("torch.distributed.autograd")
         for name in variants:
-            # The paired ratio compares each variant with torch's iteration of the same round,
-            # so a slow stretch of the machine slows both sides of the ratio.
-            paired = (
-                statistics.median(t / b for t, b in zip(times[name], torch_times, strict=True))
-                if torch_times
-                else float("nan")
-            )
             rows.append(
                 {
                     "workload": workload,
@@ -160,7 +156,8 @@ def _bench(rank: int, world_size: int, cases: list[tuple[str, int, int]]) -> lis
                     "workers": world_size,
                     "variant": name,
                     "median_ms": statistics.median(times[name]) * 1e3,
-                    "ratio": paired,
+                    "ratio": _paired(times, name, "torch.distributed.autograd"),
+                    "ratio_py": _paired(times, name, TORCH_PY),
                     "messages": messages.get(name),
                     "iters": iters,
                 }
@@ -168,18 +165,59 @@ def _bench(rank: int, world_size: int, cases: list[tuple[str, int, int]]) -> lis
     return rows
 
 
+TORCH_PY = "torch.distributed.autograd, Python function"
+
+
+def _paired(times: dict[str, list[float]], name: str, base: str) -> float:
+    """Median over rounds of the variant's time over ``base``'s time in the same round, so
+    that a slow stretch of the machine slows both sides of the ratio (NaN without ``base``)."""
+    if base not in times:
+        return float("nan")
+    return statistics.median(t / b for t, b in zip(times[name], times[base], strict=True))
+
+
+def _ratio(value: float) -> str:
+    return "" if value != value else f"{value:.2f}x"
+
+
 def _table(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| workload | shape | workers | variant | median ms / iteration | "
-        "ratio to torch (paired median) | messages / backward |",
-        "|---|---|---|---|---:|---:|---:|",
+        "ratio to torch (paired median) | ratio to torch, Python function | messages / backward |",
+        "|---|---|---|---|---:|---:|---:|---:|",
     ]
     for r in rows:
         ratio = "n/a (torch hangs)" if r["ratio"] != r["ratio"] else f"{r['ratio']:.2f}x"
         msgs = "" if r["messages"] is None else f"{r['messages']:.1f}"
         lines.append(
             f"| {r['workload']} | {r['shape']} | {r['workers']} | {r['variant']} | "
-            f"{r['median_ms']:.2f} | {ratio} | {msgs} |"
+            f"{r['median_ms']:.2f} | {ratio} | {_ratio(r['ratio_py'])} | {msgs} |"
+        )
+    return "\n".join(lines)
+
+
+def _summary(runs: list[list[dict[str, Any]]]) -> str:
+    """Per row: the median over runs of each paired ratio, and its range over the runs."""
+    lines = [
+        "| workload | shape | variant | ratio to torch: median (range) | "
+        "ratio to torch, Python function: median (range) |",
+        "|---|---|---|---:|---:|",
+    ]
+    for i, first in enumerate(runs[0]):
+        if first["variant"].startswith("torch"):
+            continue
+        cells = []
+        for key in ("ratio", "ratio_py"):
+            values = [run[i][key] for run in runs]
+            if any(v != v for v in values):
+                cells.append("n/a")
+            else:
+                cells.append(
+                    f"{statistics.median(values):.2f}x ({min(values):.2f}-{max(values):.2f})"
+                )
+        lines.append(
+            f"| {first['workload']} | {first['shape']} | {first['variant']} | "
+            f"{cells[0]} | {cells[1]} |"
         )
     return "\n".join(lines)
 
@@ -193,10 +231,12 @@ def main() -> None:
     two = [("add", 3, int(500 * scale)), ("add", 1000, int(200 * scale))]
     four = [("chain", 3, int(200 * scale)), ("fanout", 3, int(200 * scale))]
     sections = []
+    runs = []
     for run in range(1 if args.quick else args.runs):
         load = os.getloadavg()[0]
         rows = run_on_ranks(_bench, 2, args=(two,), init="rpc", timeout=600)[0]
         rows += run_on_ranks(_bench, 4, args=(four,), init="rpc", timeout=600)[0]
+        runs.append(rows)
         table = _table(rows)
         print(table, flush=True)
         sections.append(
@@ -214,7 +254,9 @@ def main() -> None:
         f"in a shuffled order, for the rounds given in the script; the ratio is the median over "
         f"rounds of the variant's time over torch's time in the same round.\n\n"
     )
-    RESULTS.write_text(header + "\n".join(sections))
+    summary = f"## Summary over the {args.runs} runs\n\n{_summary(runs)}\n\n"
+    print(summary, flush=True)
+    RESULTS.write_text(header + summary + "\n".join(sections))
 
 
 if __name__ == "__main__":

@@ -56,9 +56,18 @@ _tokens: dict[torch.device, Tensor] = {}
 def order_token(like: Tensor | torch.device) -> Tensor:
     """The tensor every distgrad custom op on ``like``'s device declares it mutates."""
     device = like if isinstance(like, torch.device) else like.device
-    found = _tokens.get(device)
+    token: Tensor = _token_on(str(device))
+    return token
+
+
+# Run eagerly even while tracing, its tensor taken as a constant of the graph: a token the graph
+# itself created and stored away would leave the graph as an output, which AOTAutograd's
+# partitioner refuses ("Node ... was invalid, but is output") for a graph that also trains.
+@torch._dynamo.assume_constant_result  # type: ignore[untyped-decorator]
+def _token_on(device: str) -> Tensor:
+    found = _tokens.get(torch.device(device))
     if found is None:
-        found = _tokens[device] = torch.zeros(1, device=device)
+        found = _tokens[torch.device(device)] = torch.zeros(1, device=device)
     return found
 
 

@@ -10,7 +10,8 @@ The hierarchy::
     ├── NotALossError              the checked function returned no scalar loss (a TypeError)
     ├── GradientMismatchError      the checker found a gradient that differs from the reference
     ├── RankFailedError            a process started by run_on_ranks failed or timed out
-    └── RpcAutogradError           distributed autograd over RPC failed
+    └── RpcAutogradError           distributed autograd over RPC failed (a RuntimeError, as
+        │                          torch.distributed.autograd raises)
         └── UnknownContextError    the autograd context id is not known on this worker
 
 Both collective errors are raised on every rank of the group with the same message, before any
@@ -84,8 +85,12 @@ class RankFailedError(DistgradError):
         self.results: dict[int, Any] = dict(results or {})
 
 
-class RpcAutogradError(DistgradError):
-    """Distributed autograd over RPC failed; the message names the worker where it started."""
+class RpcAutogradError(DistgradError, RuntimeError):
+    """Distributed autograd over RPC failed; the message names the worker where it started.
+
+    A ``RuntimeError`` too, as the errors of ``torch.distributed.autograd`` are, so code written
+    against torch catches it.
+    """
 
 
 class UnknownContextError(RpcAutogradError):

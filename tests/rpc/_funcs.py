@@ -73,7 +73,7 @@ def param_grad(context_id: int, name: str) -> Tensor | None:
 
 def context_known(context_id: int) -> tuple[bool, int, int]:
     try:
-        from distgrad.rpc.context import lookup
+        from distgrad.rpc._context import lookup
 
         ctx = lookup(context_id)
     except UnknownContextError:
@@ -152,7 +152,7 @@ def drive_loop(mode: str, peer: str) -> float:
     (ref,) = torch.autograd.grad((local * v).sum(), x)
     with dgrpc.context() as cid:
         out = remote_call(peer, scale_then_call_back, (x * 1.0, me, False))
-        dgrpc.backward(cid, [out], [v], mode=mode)
+        dgrpc.backward(cid, [out], grad_tensors=[v], mode=mode)
         got = dgrpc.get_gradients(cid)[x]
     return float((got - ref).abs().max())
 
@@ -176,3 +176,292 @@ def add_and_watch(x: Tensor, y: Tensor) -> Tensor:
 def last_result_alive() -> bool:
     gc.collect()
     return _results[-1]() is not None
+
+
+# --- Cases ported from torch's dist_autograd_test.py (own code) -----------------------------
+
+
+def py_add(t1: Tensor, t2: Tensor) -> Tensor:
+    return torch.add(t1, t2)
+
+
+def nested_python_udf(t1: Tensor, t2: Tensor, dst: str, local: bool = False) -> Tensor:
+    """t3, t4 are computed here, sent to ``dst`` and used here again (SMART's old failure)."""
+    t3 = t1 * t2
+    t4 = t1 + t2
+    res = (local_call if local else remote_call)(dst, py_add, (t3, t4))
+    return t1 * t2 * t3 * t4 * res
+
+
+def complex_python_udf(t1: Tensor, t2: Tensor) -> Tensor:
+    t3 = torch.nn.functional.linear(t1, t2)
+    t4 = torch.nn.functional.linear(t2, t3)
+    t5 = torch.nn.functional.linear(t3, t4)
+    return torch.linalg.multi_dot([t1, t2, t3, t4, t5])
+
+
+def mixed_requires_grad_op(t1: Tensor, t2: Tensor) -> Tensor:
+    return t1 - t2 if t2.requires_grad else t1 * t2
+
+
+def rref_add(rref: Any, t2: Tensor) -> Tensor:
+    return torch.add(rref.local_value(), t2)
+
+
+def nested_rref_add(owner: str, rref: Any, t2: Tensor) -> Tensor:
+    return dgrpc.rpc_sync(owner, rref_add, args=(rref, t2))  # type: ignore[no-any-return]
+
+
+def owned_leaf(seed: int, sparse: bool) -> Tensor:
+    """A leaf requiring grad, made on the worker that runs this (an RRef's value)."""
+    from tests.rpc._helpers import leaf, sparse_leaf
+
+    return sparse_leaf(seed) if sparse else leaf(seed, 4, 4)
+
+
+def owner_grad(context_id: int, rref: Any) -> Tensor | None:
+    """On the owner: the gradient of an RRef's value in the context."""
+    return dgrpc.get_gradients(context_id).get(rref.local_value())
+
+
+_returned = torch.ones(3, 3, dtype=torch.float64, requires_grad=True)
+
+
+def ret_requires_grad() -> Tensor:
+    return _returned
+
+
+def returned_grad(context_id: int) -> Tensor | None:
+    return dgrpc.get_gradients(context_id).get(_returned)
+
+
+def slow_add(t1: Tensor, t2: Tensor) -> Tensor:
+    import time
+
+    time.sleep(0.2)
+    return (t1 + t2).requires_grad_()
+
+
+class SimulateBackwardError(torch.autograd.Function):
+    """Identity whose backward raises while ``_fail[0]`` is set (on the worker that runs it)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        if _fail[0]:
+            raise RuntimeError("simulated error in a backward function")
+        return grad
+
+
+_fail = [True]
+
+
+def set_backward_error(fail: bool) -> None:
+    _fail[0] = fail
+
+
+def udf_with_backward_error(t1: Tensor, t2: Tensor) -> Tensor:
+    t3 = t1 + t2
+    t4 = SimulateBackwardError.apply(t3)
+    return torch.linalg.multi_dot([t1, t2, t3, t4])
+
+
+def nested_udf_with_backward_error(t1: Tensor, t2: Tensor, dst: str) -> Tensor:
+    t1 = t1 * t2
+    t2 = t1 + t2
+    res = dgrpc.rpc_sync(dst, udf_with_backward_error, args=(t1, t2))
+    return torch.linalg.multi_dot([t1, t2, res])
+
+
+def raise_value_error(message: str) -> None:
+    raise ValueError(message)
+
+
+def call_torch_rpc(dst: str) -> Tensor:
+    """Calls torch's own rpc_sync (refused inside a distgrad context)."""
+    from torch.distributed import rpc as torch_rpc
+
+    return torch_rpc.rpc_sync(dst, torch.add, args=(torch.ones(1), 1))  # type: ignore[no-any-return]
+
+
+def embedding_forward(rref: Any, inputs: Tensor, offsets: Tensor, weights: Tensor) -> Tensor:
+    return rref.local_value()(inputs, offsets, weights)  # type: ignore[no-any-return]
+
+
+def embedding_grad(rref: Any, context_id: int) -> Tensor | None:
+    return dgrpc.get_gradients(context_id).get(rref.local_value().weight)
+
+
+def embedding_bag(seed: int) -> torch.nn.EmbeddingBag:
+    torch.manual_seed(seed)
+    return torch.nn.EmbeddingBag(16, 4, mode="sum", sparse=True)
+
+
+def trainer(rref: Any, t2: Tensor, ps: str, mode: str, sparse: bool) -> bool:
+    """One trainer of a parameter server: forward and backward in its own context; the server
+    checks the gradient it holds in that context before the context is released."""
+    with dgrpc.context() as context_id:
+        ret = dgrpc.rpc_sync(ps, rref_add, args=(rref, t2))
+        loss = torch.sparse.sum(ret) if sparse else ret.sum()
+        dgrpc.backward(context_id, [loss], mode=mode)  # type: ignore[arg-type]
+        return bool(dgrpc.rpc_sync(ps, ps_grad_is_right, args=(context_id, rref, t2.detach())))
+
+
+def ps_grad_is_right(context_id: int, rref: Any, t2: Tensor) -> bool:
+    """On the server: the trainer's gradient equals local autograd of the same step."""
+    value = rref.local_value()
+    out = torch.add(value, t2)
+    (want,) = torch.autograd.grad(torch.sparse.sum(out) if out.is_sparse else out.sum(), value)
+    got = dgrpc.get_gradients(context_id)[value]
+    return got.is_sparse == want.is_sparse and bool(torch.equal(got.to_dense(), want.to_dense()))
+
+
+def hammer(mode: str) -> None:
+    """Four chained calls to worker0 and a backward (run by many threads at once)."""
+    g = torch.Generator().manual_seed(0)
+    t1 = torch.rand(3, 3, generator=g, requires_grad=True)
+    t2 = torch.rand(3, 3, generator=g, requires_grad=True)
+    with dgrpc.context() as context_id:
+        t3 = dgrpc.rpc_sync("worker0", torch.add, args=(t1, t2))
+        t4 = dgrpc.rpc_sync("worker0", torch.mul, args=(t2, t3))
+        t5 = dgrpc.rpc_sync("worker0", torch.matmul, args=(t3, t4))
+        t6 = dgrpc.rpc_sync("worker0", torch.add, args=(t4, t5))
+        dgrpc.backward(context_id, [t6.sum()], mode=mode)  # type: ignore[arg-type]
+        assert set(dgrpc.get_gradients(context_id)) == {t1, t2}
+
+
+def remote_ref_call(to: str, fn: Call, args: tuple[Any, ...] = ()) -> Any:
+    return dgrpc.remote(to, fn, args=args).to_here()
+
+
+def async_call(to: str, fn: Call, args: tuple[Any, ...] = ()) -> Any:
+    return dgrpc.rpc_async(to, fn, args=args).wait()
+
+
+class ThreeByThree:
+    """A parameter server's module: ``w`` (3x3, from a seeded generator) times the input."""
+
+    def __init__(self, requires_grad: bool = True) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.w = torch.rand((3, 3), requires_grad=requires_grad, generator=g)
+
+    def forward(self, t1: Tensor) -> Tensor:
+        return torch.mm(self.w, t1)
+
+    def get_w(self) -> Tensor:
+        return self.w
+
+
+def call_method(method: Callable[..., Any], rref: Any, *args: Any) -> Any:
+    return method(rref.local_value(), *args)
+
+
+class FailingOptimizer(torch.optim.Optimizer):
+    def __init__(self, params: Any) -> None:
+        super().__init__(params, {})
+
+    def step(self, closure: Any = None) -> Any:
+        raise ValueError("Error running optimizer.")
+
+
+class OptimizerFailingOnConstructor(torch.optim.Optimizer):
+    def __init__(self, params: Any) -> None:
+        super().__init__(params, {})
+        raise ValueError("Error creating optimizer.")
+
+    def step(self, closure: Any = None) -> Any:
+        raise NotImplementedError
+
+
+def bag_parameters(rref: Any) -> list[dgrpc.RRef[Tensor]]:
+    return [dgrpc.RRef(p) for p in rref.local_value().parameters()]
+
+
+def bag_weight(rref: Any) -> Tensor:
+    return rref.local_value().weight.detach().clone()
+
+
+class _KillInBackward(torch.autograd.Function):
+    """Identity whose backward SIGKILLs the process it runs in."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        import os
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
+        return grad
+
+
+def killed_in_backward(x: Tensor) -> Tensor:
+    return _KillInBackward.apply(x * 2)  # type: ignore[no-any-return]
+
+
+backward_started: list[float] = []
+
+
+class _SlowBackward(torch.autograd.Function):
+    """Identity whose backward notes when it started, then takes ``seconds``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, seconds: float) -> Tensor:
+        ctx.seconds = seconds
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        import time
+
+        backward_started.append(time.monotonic())
+        time.sleep(ctx.seconds)
+        return grad, None
+
+
+def slow_in_backward(x: Tensor, seconds: float) -> Tensor:
+    return _SlowBackward.apply(x * 2, seconds)  # type: ignore[no-any-return]
+
+
+def kill_me_after(seconds: float) -> None:
+    import os
+    import signal
+    import threading
+
+    threading.Timer(seconds, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+
+
+def recorded(context_id: int) -> dict[str, Any]:
+    """What this worker recorded in a context: counts, known workers, and for each send the
+    names of the nodes its tensors' gradients enter."""
+    from distgrad.rpc._context import lookup
+    from distgrad.rpc._records import node_of
+
+    ctx = lookup(context_id)
+    return {
+        "sends": len(ctx.sends),
+        "recvs": len(ctx.recvs),
+        "known": sorted(ctx.known_workers),
+        "targets": [[node_of(t).name() for t in s.targets] for s in ctx.sends.values()],
+    }
+
+
+def set_lineage_walk(nodes: int) -> int:
+    """How far a send's lineage is looked for when it is sent (0: never; SMART then asks);
+    returns the previous setting."""
+    from distgrad.rpc import send_recv
+
+    previous = send_recv._LINEAGE_WALK_NODES
+    send_recv._LINEAGE_WALK_NODES = nodes
+    return previous
+
+
+def deep(x: Tensor, ops: int) -> Tensor:
+    for _ in range(ops):
+        x = torch.sin(x) * 1.01
+    return x

@@ -1,16 +1,18 @@
-"""FAST-mode distributed backward equals local autograd of the same computation.
+"""A distributed backward equals local autograd of the same computation, in both modes.
 
 Each case builds a computation from ``call(worker, fn, args)``; the reference runs it in one
-process with ``call`` a plain function call, the distributed run with ``distgrad.rpc.rpc_sync``
-inside a context. Inputs are float64, the objective is ``sum(out * v)`` with ``v`` from a
-seeded generator (random cotangents), and every leaf's gradient is compared, including which
-leaves get none.
+process with ``call`` a plain function call, the distributed run with distgrad's
+``rpc_sync``, ``remote(...).to_here()`` or ``rpc_async(...).wait()`` inside a context. Inputs
+are float64 (float32 where a case converts), outputs are reduced with random cotangents, and
+every leaf's gradient is compared, including which leaves get none and, for sparse leaves,
+that the gradient is sparse. Most cases are torch's own (``dist_autograd_test.py`` in torch
+2.13: the name in brackets), rewritten here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass, field
 
 import pytest
 import torch
@@ -19,94 +21,142 @@ from torch import Tensor
 import distgrad.rpc as dgrpc
 from distgrad.testing import run_on_ranks
 from tests.rpc import _funcs as F
+from tests.rpc import _helpers as H
+from tests.rpc import _scripted as S
 
-Case = Callable[[F.Call, list[Tensor], bool], list[Tensor]]
+Body = Callable[[F.Call, list[Tensor]], list[Tensor]]
+CALLS: dict[str, F.Call] = {
+    "sync": F.remote_call,
+    "remote": F.remote_ref_call,
+    "async": F.async_call,
+}
 
 
-def _leaves(seed: int, shapes: list[tuple[int, ...]], grad: list[bool]) -> list[Tensor]:
-    g = torch.Generator().manual_seed(seed)
+@dataclass
+class Case:
+    body: Body
+    leaves: Callable[[int], list[Tensor]]
+    calls: tuple[str, ...] = ("sync",)
+    tol: dict[str, float] = field(default_factory=dict)
+
+
+def _dense(*grad: bool, shape: tuple[int, ...] = (3, 3)) -> Callable[[int], list[Tensor]]:
+    return lambda seed: H.leaves(seed, [shape] * len(grad), grad)
+
+
+def _sparse(*grad: bool) -> Callable[[int], list[Tensor]]:
+    return lambda seed: [H.sparse_leaf(seed + i, requires_grad=g) for i, g in enumerate(grad)]
+
+
+def _ssum(t: Tensor) -> Tensor:
+    return torch.sparse.sum(t) if t.is_sparse else t.sum()
+
+
+# --- torch's cases ----------------------------------------------------------------------------
+
+
+def simple(call: F.Call, x: list[Tensor]) -> list[Tensor]:  # [test_backward_simple]
+    return [_ssum(call("worker1", torch.add, (x[0], x[1])))]
+
+
+def simple_self(call: F.Call, x: list[Tensor]) -> list[Tensor]:  # [test_backward_simple_self]
+    return [_ssum(call("worker0", torch.add, (x[0], x[1])))]
+
+
+def python_udf(call: F.Call, x: list[Tensor]) -> list[Tensor]:  # [..._simple_python_udf]
+    return [_ssum(call("worker1", F.py_add, (x[0], x[1])))]
+
+
+def script(call: F.Call, x: list[Tensor]) -> list[Tensor]:  # [..._simple_script_call]
+    return [_ssum(call("worker1", S.script_add, (x[0], x[1])))]
+
+
+def round_trips(call: F.Call, x: list[Tensor]) -> list[Tensor]:  # [..._multiple_round_trips]
+    val = call("worker1", torch.add, (x[0], x[1]))
+    val = call("worker2", torch.mul, (x[2], val))
+    s1 = call("worker1", torch.stack, ((x[3], val),))
+    s2 = call("worker2", torch.stack, ((x[4], val),))
+    if s1.is_sparse:
+        val = call("worker1", torch.mul, (s1, s2))
+        return [_ssum(call("worker2", torch.mul, (val, val)))]
+    val = call("worker1", torch.bmm, (s1, s2))
+    return [call("worker2", torch.matmul, (val, val))]
+
+
+def tensor_dims(call: F.Call, x: list[Tensor]) -> list[Tensor]:  # [..._different_tensor_dims]
+    val = call("worker1", torch.matmul, (x[0], x[1]))
+    return [call("worker2", torch.linalg.multi_dot, ([val, x[2], x[3]],))]
+
+
+def unused_tensors(call: F.Call, x: list[Tensor]) -> list[Tensor]:  # [..._unused_tensors]
+    s = call("worker1", torch.stack, ((x[0], x[1], x[2]),))
+    return [call("worker2", torch.matmul, (torch.narrow(s, 0, 0, 1), torch.narrow(s, 0, 2, 1)))]
+
+
+def output_tensors(call: F.Call, x: list[Tensor]) -> list[Tensor]:  # [..._multiple_output_tensors]
+    parts = call("worker1", torch.split, (x[0], 2))
+    return [call("worker2", torch.linalg.multi_dot, ([parts[0], parts[2], parts[4]],))]
+
+
+def multiple_roots(call: F.Call, x: list[Tensor]) -> list[Tensor]:  # [..._multiple_roots]
     return [
-        torch.randn(*s, dtype=torch.float64, generator=g).requires_grad_(r)
-        for s, r in zip(shapes, grad, strict=True)
+        call("worker1", torch.add, (x[0], x[1])).sum(),
+        call("worker1", torch.mul, (x[0], x[1])).sum(),
+        call("worker1", torch.cos, (x[0],)).sum(),
+        call("worker1", torch.div, (x[0], x[1])).sum(),
     ]
 
 
-def _cotangents(outs: list[Tensor], seed: int) -> list[Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(o.shape, dtype=o.dtype, generator=g) for o in outs]
+def dtypes(call: F.Call, x: list[Tensor]) -> list[Tensor]:  # [..._different_dtypes]
+    return [_ssum(call("worker1", torch.add, (x[0].float(), x[1])))]
 
 
-def _case_add(call: F.Call, x: list[Tensor], local: bool) -> list[Tensor]:
-    t3 = call("worker1", torch.add, (x[0], x[1]))
-    return [t3 * x[2]]
+def complex_udf(call: F.Call, x: list[Tensor]) -> list[Tensor]:  # [..._complex_python_udf]
+    return [call("worker1", F.complex_python_udf, (x[0], x[1]))]
 
 
-def _case_matmul(call: F.Call, x: list[Tensor], local: bool) -> list[Tensor]:
-    return [call("worker1", torch.matmul, (x[0], x[1])) + x[2]]
+def nested_udf(call: F.Call, x: list[Tensor]) -> list[Tensor]:  # [test_backwards_nested_python_udf]
+    local = call is F.local_call
+    return [_ssum(call("worker1", F.nested_python_udf, (x[0], x[1], "worker2", local)))]
 
 
-def _case_split_unused(call: F.Call, x: list[Tensor], local: bool) -> list[Tensor]:
+def mixed(call: F.Call, x: list[Tensor]) -> list[Tensor]:  # [test_mixed_requires_grad]
+    return [_ssum(call("worker1", F.mixed_requires_grad_op, (x[0], x[1])))]
+
+
+def without_rpc(call: F.Call, x: list[Tensor]) -> list[Tensor]:  # [..._without_rpc]
+    return [torch.add(x[0], x[1]).sum()]
+
+
+# --- distgrad's own cases ---------------------------------------------------------------------
+
+
+def split_unused(call: F.Call, x: list[Tensor]) -> list[Tensor]:
     parts = call("worker1", torch.split, (x[0] * x[1], 1))
     return [parts[0] * 2.0, parts[2]]  # parts[1] is never used
 
 
-def _case_multiple_outputs(call: F.Call, x: list[Tensor], local: bool) -> list[Tensor]:
+def multiple_outputs(call: F.Call, x: list[Tensor]) -> list[Tensor]:
     mm, th, seven = call("worker1", F.two_outputs, (x[0], x[1]))
     assert seven == 7
     return [mm * seven, th]
 
 
-def _case_round_trips(call: F.Call, x: list[Tensor], local: bool) -> list[Tensor]:
-    y = x[0]
-    for _ in range(3):
-        y = call("worker1", torch.mul, (y, x[1]))
-        y = torch.sin(y) + x[2]
-    return [y]
-
-
-def _case_mixed_requires_grad(call: F.Call, x: list[Tensor], local: bool) -> list[Tensor]:
-    return [call("worker1", torch.addcmul, (x[0], x[1], x[2]))]
-
-
-def _case_dtypes(call: F.Call, x: list[Tensor], local: bool) -> list[Tensor]:
-    y = call("worker1", torch.mul, (x[0].float(), x[1].float()))
-    return [y.double() + x[2]]
-
-
-def _case_shared_input(call: F.Call, x: list[Tensor], local: bool) -> list[Tensor]:
+def shared_input(call: F.Call, x: list[Tensor]) -> list[Tensor]:
     h = x[0] * x[1]  # reached both locally and through worker1
-    y = call("worker1", torch.exp, (h,))
-    return [y * h + x[2]]
+    return [call("worker1", torch.exp, (h,)) * h + x[2]]
 
 
-def _case_loop(call: F.Call, x: list[Tensor], local: bool) -> list[Tensor]:
+def loop(call: F.Call, x: list[Tensor]) -> list[Tensor]:
+    local = call is F.local_call
     return [call("worker1", F.scale_then_call_back, (x[0] * x[1], "worker0", local)) + x[2]]
 
 
-def _case_chain3(call: F.Call, x: list[Tensor], local: bool) -> list[Tensor]:
-    return [F.chain(x[0] + x[1], ["worker1", "worker2", "worker1"], local) * x[2]]
+def chain3(call: F.Call, x: list[Tensor]) -> list[Tensor]:
+    return [F.chain(x[0] + x[1], ["worker1", "worker2", "worker1"], call is F.local_call) * x[2]]
 
 
-def _case_no_rpc(call: F.Call, x: list[Tensor], local: bool) -> list[Tensor]:
-    return [x[0] * x[1] + x[2]]
-
-
-def _case_remote_rref(call: F.Call, x: list[Tensor], local: bool) -> list[Tensor]:
-    if local:
-        return [torch.mul(x[0], x[1]) + x[2]]
-    rref = dgrpc.remote("worker1", torch.mul, args=(x[0], x[1]))
-    return [rref.to_here() + x[2]]
-
-
-def _case_rpc_async(call: F.Call, x: list[Tensor], local: bool) -> list[Tensor]:
-    if local:
-        return [torch.sub(x[0], x[1]) * x[2], torch.mul(x[0], x[2])]
-    f1 = dgrpc.rpc_async("worker1", torch.sub, args=(x[0], x[1]))
-    f2 = dgrpc.rpc_async("worker1", torch.mul, args=(x[0], x[2]))
-    return [f1.wait() * x[2], f2.wait()]
-
-
-def _case_modified_after_send(call: F.Call, x: list[Tensor], local: bool) -> list[Tensor]:
+def modified_after_send(call: F.Call, x: list[Tensor]) -> list[Tensor]:
     # The gradient of what was sent enters the graph where h was when it was sent, not
     # after the in-place change (add saves nothing, so local autograd allows it too).
     h = x[0] * 1.0
@@ -115,71 +165,107 @@ def _case_modified_after_send(call: F.Call, x: list[Tensor], local: bool) -> lis
     return [y, h * x[2]]
 
 
-SHAPE = [(3, 3), (3, 3), (3, 3)]
-CASES: dict[str, tuple[Case, list[bool]]] = {
-    "add": (_case_add, [True, True, True]),
-    "matmul": (_case_matmul, [True, True, True]),
-    "split_unused": (_case_split_unused, [True, True, False]),
-    "multiple_outputs": (_case_multiple_outputs, [True, True, True]),
-    "round_trips": (_case_round_trips, [True, True, True]),
-    "mixed_requires_grad": (_case_mixed_requires_grad, [True, False, True]),
-    "dtypes": (_case_dtypes, [True, True, True]),
-    "shared_input": (_case_shared_input, [True, True, True]),
-    "loop": (_case_loop, [True, True, True]),
-    "chain3": (_case_chain3, [True, True, True]),
-    "no_rpc": (_case_no_rpc, [True, True, True]),
-    "remote_rref": (_case_remote_rref, [True, True, True]),
-    "rpc_async": (_case_rpc_async, [True, False, True]),
-    "modified_after_send": (_case_modified_after_send, [True, True, True]),
+TOL32 = {"rtol": H.RTOL32, "atol": H.ATOL32}
+CASES: dict[str, Case] = {
+    "simple": Case(simple, _dense(True, True), ("sync", "remote", "async")),
+    "simple_self": Case(simple_self, _dense(True, True), ("sync", "remote")),
+    "python_udf": Case(python_udf, _dense(True, True), ("remote",)),
+    "script": Case(script, _dense(True, True), ("sync", "remote", "async")),
+    "round_trips": Case(round_trips, _dense(True, False, True, False, True), ("sync", "remote")),
+    "tensor_dims": Case(
+        tensor_dims,
+        lambda s: H.leaves(s, [(4, 6), (6, 5), (5, 7), (7, 9)], [True, False, True, False]),
+        ("sync", "remote"),
+    ),
+    "unused_tensors": Case(unused_tensors, _dense(True, True, True), ("sync", "remote")),
+    "output_tensors": Case(
+        output_tensors, lambda s: H.leaves(s, [(10, 2)], [True]), ("sync", "remote")
+    ),
+    "multiple_roots": Case(multiple_roots, _dense(True, True)),
+    "dtypes": Case(
+        dtypes,
+        lambda s: [H.leaf(s, 3, 3, dtype=torch.float32), H.leaf(s + 1, 3, 3)],
+        ("sync", "remote"),
+        TOL32,
+    ),
+    "complex_udf": Case(complex_udf, _dense(True, True), ("remote",)),
+    "nested_udf": Case(nested_udf, _dense(True, True)),
+    "mixed": Case(mixed, _dense(True, False), ("sync", "remote")),
+    "without_rpc": Case(without_rpc, _dense(True, True)),
+    "simple_sparse": Case(simple, _sparse(True, True), ("sync", "remote")),
+    "simple_self_sparse": Case(simple_self, _sparse(True, True)),
+    "python_udf_sparse": Case(python_udf, _sparse(True, True), ("remote",)),
+    "script_sparse": Case(script, _sparse(True, True)),
+    "round_trips_sparse": Case(round_trips, _sparse(True, False, True, False, True)),
+    "dtypes_sparse": Case(
+        dtypes,
+        lambda s: [H.sparse_leaf(s, dtype=torch.float32), H.sparse_leaf(s + 1)],
+        ("remote",),
+        TOL32,
+    ),
+    "nested_udf_sparse": Case(nested_udf, _sparse(True, True)),
+    "mixed_sparse": Case(mixed, _sparse(True, False)),
+    "split_unused": Case(split_unused, _dense(True, True)),
+    "multiple_outputs": Case(multiple_outputs, _dense(True, True)),
+    "shared_input": Case(shared_input, _dense(True, True, True)),
+    "loop": Case(loop, _dense(True, True, True)),
+    "chain3": Case(chain3, _dense(True, True, True)),
+    "modified_after_send": Case(modified_after_send, _dense(True, True, True)),
 }
 
 
 def _reference(case: Case, xs: list[Tensor], seed: int) -> list[Tensor | None]:
-    outs = case(F.local_call, xs, True)
+    outs = case.body(F.local_call, xs)
     wanted = [x for x in xs if x.requires_grad]
-    got = iter(torch.autograd.grad(outs, wanted, _cotangents(outs, seed), allow_unused=True))
+    got = iter(torch.autograd.grad(outs, wanted, H.cotangents(seed, outs), allow_unused=True))
     return [next(got) if x.requires_grad else None for x in xs]
 
 
-def _distributed(case: Case, xs: list[Tensor], seed: int, mode: str) -> list[Tensor | None]:
+def _distributed(
+    case: Case, call: F.Call, xs: list[Tensor], seed: int, mode: str, retain: bool
+) -> list[Tensor | None]:
     with dgrpc.context() as context_id:
-        outs = case(F.remote_call, xs, False)
-        dgrpc.backward(context_id, outs, _cotangents(outs, seed), mode=mode)
+        outs = case.body(call, xs)
+        v = H.cotangents(seed, outs)
+        dgrpc.backward(context_id, outs, retain, grad_tensors=v, mode=mode)  # type: ignore[arg-type]
+        if retain:  # a second pass accumulates
+            dgrpc.backward(context_id, outs, grad_tensors=v, mode=mode)  # type: ignore[arg-type]
         grads = dgrpc.get_gradients(context_id)
     assert all(x.grad is None for x in xs), ".grad was written by a distributed backward"
     return [grads.get(x) for x in xs]
 
 
-def _check_cases(rank: int, world_size: int, names: list[str], mode: str) -> list[str]:
+def _check_cases(rank: int, world_size: int, mode: str) -> list[str]:
     if rank != 0:
         return []
     done = []
-    for i, name in enumerate(names):
-        case, grad = CASES[name]
-        ref = _reference(case, _leaves(i, SHAPE, grad), seed=100 + i)
-        got = _distributed(case, _leaves(i, SHAPE, grad), seed=100 + i, mode=mode)
-        for j, (r, d) in enumerate(zip(ref, got, strict=True)):
-            if r is None:
-                assert d is None, f"{name}: input {j} got a gradient, local autograd gives none"
-            else:
-                assert d is not None, f"{name}: input {j} got no gradient"
-                tol: dict[str, Any] = {"rtol": 1e-5, "atol": 1e-6} if name == "dtypes" else {}
-                torch.testing.assert_close(d, r, msg=lambda m, n=name, j=j: f"{n}[{j}]: {m}", **tol)
-        # Like .grad: each gradient is laid out like its tensor and shares memory with no other
-        # gradient (an add's backward hands one tensor to both inputs; a sum's is an expanded
-        # view), so changing one in place cannot change another.
-        grads = [d for d in got if d is not None]
-        storages = {d.untyped_storage().data_ptr() for d in grads}
-        assert len(storages) == len(grads), f"{name}: gradients share memory"
-        for x, d in zip(_leaves(i, SHAPE, grad), got, strict=True):
-            if d is not None:
-                assert d.stride() == x.stride(), f"{name}: gradient strides {d.stride()}"
-        done.append(name)
+    for i, (name, case) in enumerate(CASES.items()):
+        ref = _reference(case, case.leaves(i), seed=100 + i)
+        for style in case.calls:
+            retain = style == "sync"  # sync runs twice with retain_graph=True: twice the gradients
+            xs = case.leaves(i)
+            got = _distributed(case, CALLS[style], xs, 100 + i, mode, retain)
+            for j, (r, d) in enumerate(zip(ref, got, strict=True)):
+                want = None if r is None else (2 * r if retain else r)
+                H.assert_close(d, want, f"{name} ({style}) input {j}", **case.tol)
+            _check_storage(name, xs, got)
+            done.append(f"{name}/{style}")
     return done
+
+
+def _check_storage(name: str, xs: list[Tensor], got: list[Tensor | None]) -> None:
+    """Like .grad: a dense gradient is laid out like its tensor and shares memory with no other
+    gradient (an add's backward hands one tensor to both inputs; a sum's is an expanded view)."""
+    dense = [(x, d) for x, d in zip(xs, got, strict=True) if d is not None and not d.is_sparse]
+    storages = {d.untyped_storage().data_ptr() for _, d in dense}
+    assert len(storages) == len(dense), f"{name}: gradients share memory"
+    for x, d in dense:
+        assert d.stride() == x.stride(), f"{name}: gradient strides {d.stride()}"
 
 
 @pytest.mark.parametrize("mode", ["fast", "smart"])
 def test_backward_matches_local_autograd(mode: str) -> None:
-    """Every case on 3 workers (the chain needs a third); float32 case compared at 1e-5."""
-    names = list(CASES)
-    assert run_on_ranks(_check_cases, 3, args=(names, mode), init="rpc")[0] == names
+    """Every case on 3 workers, by rpc_sync (twice, retain_graph=True) and where torch's test
+    does so by remote and rpc_async; float32 cases at float32 tolerances."""
+    done = run_on_ranks(_check_cases, 3, args=(mode,), init="rpc", timeout=90)[0]
+    assert len(done) == sum(len(c.calls) for c in CASES.values())

@@ -17,7 +17,8 @@ __all__ = ["check_backward_order", "check_replicated"]
 
 def _checking(group: Group) -> bool:
     """Debug mode, a real group, and not inside torch.compile (which never exchanges metadata)."""
-    return debug_enabled() and group.size > 1 and not torch.compiler.is_compiling()
+    # is_compiling first: a compiled graph must not read (and so guard on) the debug flag.
+    return not torch.compiler.is_compiling() and group.size > 1 and debug_enabled()
 
 
 def check_backward_order(op: str, group: Group) -> None:

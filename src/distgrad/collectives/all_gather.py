@@ -50,10 +50,14 @@ class _Plan:
 
 class _AllGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: FunctionCtx, x: Tensor, plan: _Plan) -> Tensor:
-        ctx.plan = plan  # type: ignore[attr-defined]
+    def run(x: Tensor, plan: _Plan) -> Tensor:
         gathered = _ops.all_gather(c.to_front(x, plan.dim), plan.sizes, plan.group)
         return c.output(c.from_front(gathered, plan.dim))
+
+    @staticmethod
+    def forward(ctx: FunctionCtx, x: Tensor, plan: _Plan) -> Tensor:
+        ctx.plan = plan  # type: ignore[attr-defined]
+        return _AllGather.run(x, plan)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None]:
@@ -65,22 +69,26 @@ class _AllGather(torch.autograd.Function):
             start = c.offsets(plan.sizes)[plan.group.rank]
             local = grad.narrow(plan.dim, start, plan.sizes[plan.group.rank])
         else:
-            local = c.apply(_ReduceScatterSum, grad, plan)
+            local = c.partner(_ReduceScatterSum, grad, plan)
         return (local if ctx.needs_input_grad[0] else None), None
 
 
 class _ReduceScatterSum(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: FunctionCtx, x: Tensor, plan: _Plan) -> Tensor:
-        ctx.plan = plan  # type: ignore[attr-defined]
+    def run(x: Tensor, plan: _Plan) -> Tensor:
         summed = _ops.reduce_scatter(c.to_front(x, plan.dim), plan.sizes, plan.group)
         return c.output(c.from_front(summed, plan.dim))
+
+    @staticmethod
+    def forward(ctx: FunctionCtx, x: Tensor, plan: _Plan) -> Tensor:
+        ctx.plan = plan  # type: ignore[attr-defined]
+        return _ReduceScatterSum.run(x, plan)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None]:
         plan: _Plan = ctx.plan
         check_backward_order("reduce_scatter", plan.group)
-        full = c.apply(_AllGather, grad, replace(plan, objective="sum"))
+        full = c.partner(_AllGather, grad, replace(plan, objective="sum"))
         return (full if ctx.needs_input_grad[0] else None), None
 
 

@@ -39,9 +39,13 @@ class _Plan:
 
 class _AllReduceSum(torch.autograd.Function):
     @staticmethod
+    def run(x: Tensor, plan: _Plan) -> Tensor:
+        return c.output(_ops.all_reduce(x, "sum", plan.group))
+
+    @staticmethod
     def forward(ctx: FunctionCtx, x: Tensor, plan: _Plan) -> Tensor:
         ctx.plan = plan  # type: ignore[attr-defined]
-        return c.output(_ops.all_reduce(x, "sum", plan.group))
+        return _AllReduceSum.run(x, plan)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None]:
@@ -52,7 +56,7 @@ class _AllReduceSum(torch.autograd.Function):
             check_replicated("all_reduce", plan.group, grad)
             back = grad
         else:
-            back = c.apply(_AllReduceSum, grad, plan)
+            back = c.partner(_AllReduceSum, grad, plan)
         return (back if ctx.needs_input_grad[0] else None), None
 
 

@@ -43,17 +43,21 @@ class _Plan:
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: FunctionCtx, x: Tensor, plan: _Plan) -> Tensor:
-        ctx.plan = plan  # type: ignore[attr-defined]
+    def run(x: Tensor, plan: _Plan) -> Tensor:
         moved = c.to_front(x, plan.dim)
         out = _ops.all_to_all(moved, plan.input_sizes, plan.output_sizes, plan.group)
         return c.output(c.from_front(out, plan.dim))
 
     @staticmethod
+    def forward(ctx: FunctionCtx, x: Tensor, plan: _Plan) -> Tensor:
+        ctx.plan = plan  # type: ignore[attr-defined]
+        return _AllToAll.run(x, plan)
+
+    @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None]:
         plan: _Plan = ctx.plan
         check_backward_order("all_to_all", plan.group)
-        back = c.apply(_AllToAll, grad, plan.swapped())
+        back = c.partner(_AllToAll, grad, plan.swapped())
         return (back if ctx.needs_input_grad[0] else None), None
 
 

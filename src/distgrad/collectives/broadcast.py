@@ -37,9 +37,13 @@ class _Plan:
 
 class _Broadcast(torch.autograd.Function):
     @staticmethod
+    def run(x: Tensor, plan: _Plan) -> Tensor:
+        return c.output(_ops.broadcast(x, plan.root, plan.group))
+
+    @staticmethod
     def forward(ctx: FunctionCtx, x: Tensor, plan: _Plan) -> Tensor:
         ctx.plan = plan  # type: ignore[attr-defined]
-        return c.output(_ops.broadcast(x, plan.root, plan.group))
+        return _Broadcast.run(x, plan)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None]:
@@ -52,22 +56,26 @@ class _Broadcast(torch.autograd.Function):
         else:
             # Non-source ranks get _ReduceSum's constant zeros: the right value, and connected to
             # the graph, so a double backward takes them through the broadcast it starts.
-            back = c.apply(_ReduceSum, grad, _Plan(plan.group, plan.root))
+            back = c.partner(_ReduceSum, grad, _Plan(plan.group, plan.root))
         return (back if ctx.needs_input_grad[0] else None), None
 
 
 class _ReduceSum(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: FunctionCtx, x: Tensor, plan: _Plan) -> Tensor:
-        ctx.plan = plan  # type: ignore[attr-defined]
+    def run(x: Tensor, plan: _Plan) -> Tensor:
         # Other ranks get a constant zero tensor: its gradient is zero and is never read.
         return c.output(_ops.reduce(x, plan.root, plan.group))
+
+    @staticmethod
+    def forward(ctx: FunctionCtx, x: Tensor, plan: _Plan) -> Tensor:
+        ctx.plan = plan  # type: ignore[attr-defined]
+        return _ReduceSum.run(x, plan)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None]:
         plan: _Plan = ctx.plan
         check_backward_order("reduce", plan.group)
-        back = c.apply(_Broadcast, grad, plan)
+        back = c.partner(_Broadcast, grad, plan)
         return (back if ctx.needs_input_grad[0] else None), None
 
 

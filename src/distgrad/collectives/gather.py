@@ -52,10 +52,14 @@ class _Plan:
 
 class _Gather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: FunctionCtx, x: Tensor, plan: _Plan) -> Tensor:
-        ctx.plan = plan  # type: ignore[attr-defined]
+    def run(x: Tensor, plan: _Plan) -> Tensor:
         out = _ops.gather(c.to_front(x, plan.dim), plan.sizes, plan.root, plan.group)
         return c.output(c.from_front(out, plan.dim))  # not the destination: 0 rows along dim
+
+    @staticmethod
+    def forward(ctx: FunctionCtx, x: Tensor, plan: _Plan) -> Tensor:
+        ctx.plan = plan  # type: ignore[attr-defined]
+        return _Gather.run(x, plan)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None]:
@@ -63,14 +67,13 @@ class _Gather(torch.autograd.Function):
         check_backward_order("gather", plan.group)
         # Other ranks' (empty) gradient is not read by the scatter, but passing it keeps their
         # result connected to it, so a double backward takes every rank through the gather.
-        back = c.apply(_Scatter, grad, plan, None)
+        back = c.partner(_Scatter, grad, plan, None)
         return (back if ctx.needs_input_grad[0] else None), None
 
 
 class _Scatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: FunctionCtx, x: Tensor | None, plan: _Plan, anchor: Tensor | None) -> Tensor:
-        ctx.plan = plan  # type: ignore[attr-defined]
+    def run(x: Tensor | None, plan: _Plan, anchor: Tensor | None) -> Tensor:
         moved = c.to_front(x, plan.dim) if x is not None else None
         out = _ops.scatter(
             moved, plan.sizes, plan.root, plan.trailing, plan.dtype, plan.device, plan.group
@@ -78,10 +81,15 @@ class _Scatter(torch.autograd.Function):
         return c.output(c.from_front(out, plan.dim))
 
     @staticmethod
+    def forward(ctx: FunctionCtx, x: Tensor | None, plan: _Plan, anchor: Tensor | None) -> Tensor:
+        ctx.plan = plan  # type: ignore[attr-defined]
+        return _Scatter.run(x, plan, anchor)
+
+    @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None]:
         plan: _Plan = ctx.plan
         check_backward_order("scatter", plan.group)
-        full = c.apply(_Gather, grad, plan)
+        full = c.partner(_Gather, grad, plan)
         is_root = plan.group.rank == plan.root
         return (full if is_root and ctx.needs_input_grad[0] else None), None, None
 

@@ -45,15 +45,19 @@ class _Plan:
 
 class _Permute(torch.autograd.Function):
     @staticmethod
+    def run(x: Tensor, plan: _Plan) -> Tensor:
+        return c.output(_ops.permute(x, plan.perm, plan.recv_shape, plan.group))
+
+    @staticmethod
     def forward(ctx: FunctionCtx, x: Tensor, plan: _Plan) -> Tensor:
         ctx.plan = plan  # type: ignore[attr-defined]
-        return c.output(_ops.permute(x, plan.perm, plan.recv_shape, plan.group))
+        return _Permute.run(x, plan)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None]:
         plan: _Plan = ctx.plan
         check_backward_order("permute", plan.group)
-        back = c.apply(_Permute, grad, plan.inverse())
+        back = c.partner(_Permute, grad, plan.inverse())
         return (back if ctx.needs_input_grad[0] else None), None
 
 

@@ -7,7 +7,8 @@ every rank**, whether or not the module sits inside DistributedDataParallel or a
 :func:`_replicated`, whose backward averages the ranks' gradients (one scalar all_reduce).
 Inside DDP or FSDP2, averaging equal gradients changes nothing; outside (a loss module built
 next to the wrapped model, its parameters in the same optimizer) the ranks still take
-identical steps. Cost: one scalar all_reduce per parameter, forward and backward.
+identical steps. Cost: one scalar all_reduce per learnable parameter, forward and backward (none
+for a fixed temperature).
 
 The scalars are parameters of shape ``[1]``, not 0-dim: ``fully_shard`` refuses 0-dim
 parameters (open_clip offers the same shape, ``nonscalar_logit_scale=True``, for FSDP).
@@ -36,6 +37,8 @@ __all__ = ["BarlowTwinsLoss", "CLIPLoss", "InfoNCELoss", "NTXentLoss", "SigLIPLo
 def _replicated(p: Tensor, group: ProcessGroup | None) -> Tensor:
     """``p`` (the same on every rank) as a 0-dim tensor; its gradient becomes the average over
     ranks."""
+    if not (p.requires_grad and torch.is_grad_enabled()):  # a fixed scalar: nothing to average
+        return p.reshape(())
     averaged = all_reduce(p, "avg", group)
     return (averaged + (p - averaged).detach()).reshape(())
 

@@ -7,7 +7,7 @@ Usage::
     with dgrpc.context() as context_id:
         y = dgrpc.rpc_sync("worker1", torch.add, args=(a, b))
         loss = (y * w).sum()
-        dgrpc.backward(context_id, [loss])
+        dgrpc.backward(context_id, [loss])        # or mode="smart"
         grads = dgrpc.get_gradients(context_id)   # {a: da, b: db, w: dw}; .grad untouched
 
 The engine is distgrad's own, in Python: ``torch.autograd`` runs each worker's local part and
@@ -16,7 +16,8 @@ The engine is distgrad's own, in Python: ``torch.autograd`` runs each worker's l
 
 from __future__ import annotations
 
-from distgrad.rpc._agent import init_rpc, shutdown
+from distgrad.rpc._lifecycle import init_rpc, shutdown
+from distgrad.rpc.backward import backward
 from distgrad.rpc.calls import RRef, remote, rpc_async, rpc_sync
 from distgrad.rpc.context import (
     DistAutogradContext,
@@ -25,7 +26,6 @@ from distgrad.rpc.context import (
     debug_state,
     get_gradients,
 )
-from distgrad.rpc.fast import backward
 from distgrad.rpc.optimizer import DistributedOptimizer
 
 __all__ = [

@@ -4,7 +4,8 @@ Outside a context these are torch's ``rpc_sync``, ``rpc_async`` and ``remote`` u
 Inside one, the request carries the context id; tensors that require grad in the arguments
 get a send record here and a recv node on the callee, and tensors that require grad in the
 result get a send record on the callee and a recv node here. The callee runs ``func`` inside
-the same context, so RPCs it makes in turn are recorded too (chains and loops).
+the same context, so RPCs it makes in turn are recorded too (chains and loops). TorchScript
+functions travel by their qualified name and are looked up on the callee, as torch does.
 
 Cost per call inside a context: no extra message; one record per direction that carries
 tensors requiring grad; the tensors are detached before they are sent.
@@ -12,16 +13,21 @@ tensors requiring grad; the tensors are detached before they are sent.
 
 from __future__ import annotations
 
+import importlib
+import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Generic, TypeAlias, TypeVar
 
+import torch
 from torch._C._distributed_rpc import WorkerInfo
 from torch.distributed import rpc as torch_rpc
 from torch.futures import Future
 
-from distgrad.rpc import _agent
+from distgrad.errors import RpcAutogradError
+from distgrad.rpc import _identity, _liveness, _transport
+from distgrad.rpc._context import get_or_create, lookup
 from distgrad.rpc._wire import Envelope
-from distgrad.rpc.context import _set_current, current_context_id, get_or_create, lookup
 from distgrad.rpc.send_recv import attach_recv, detach_for_send
 
 __all__ = ["RRef", "remote", "rpc_async", "rpc_sync"]
@@ -42,9 +48,9 @@ def rpc_sync(
 
     Inside a context, records a send/recv pair for the request and one for the response
     wherever they carry tensors that require grad. ``timeout`` in seconds (default: the RPC
-    group's).
+    group's). An exception raised by ``func`` is raised here with its type, as torch does.
     """
-    context_id = current_context_id()
+    context_id = _identity.current_context_id()
     if context_id is None:
         result: T = torch_rpc.rpc_sync(to, func, args, kwargs, timeout)
         return result
@@ -62,27 +68,24 @@ def rpc_async(
     kwargs: dict[str, Any] | None = None,
     timeout: float = _UNSET,
 ) -> Future[T]:
-    """Like :func:`rpc_sync`, but return a ``torch.futures.Future`` of the result."""
-    context_id = current_context_id()
+    """Like :func:`rpc_sync`, but return a ``torch.futures.Future`` of the result; its
+    ``wait()`` raises ``func``'s exception with its type."""
+    context_id = _identity.current_context_id()
     if context_id is None:
         return torch_rpc.rpc_async(to, func, args, kwargs, timeout)  # type: ignore[no-any-return]
     to_name, fut = _send_call(context_id, to, func, args, kwargs, timeout)
-    return fut.then(lambda done: _open(done.wait(), to_name))  # type: ignore[no-any-return]
+    result: Future[T] = Future()
 
+    def opened(done: Future[Envelope]) -> None:
+        # set_exception keeps the exception's type, where an error raised in a then()
+        # callback would reach wait() as a RuntimeError.
+        try:
+            result.set_result(_open(done.wait(), to_name))
+        except Exception as exc:
+            result.set_exception(exc)  # type: ignore[arg-type]
 
-def _send_call(
-    context_id: int,
-    to: Worker,
-    func: Callable[..., Any],
-    args: tuple[Any, ...] | None,
-    kwargs: dict[str, Any] | None,
-    timeout: float,
-) -> tuple[str, Future[Envelope]]:
-    """Send the request of a call made inside a context; the future's value is the answer."""
-    to_name = _agent.name_of(to)
-    request = _envelope(context_id, to_name, (tuple(args or ()), dict(kwargs or {})))
-    fut = torch_rpc.rpc_async(to_name, _serve_call, args=(request, func), timeout=timeout)
-    return to_name, fut
+    fut.add_done_callback(opened)
+    return result
 
 
 def remote(
@@ -97,14 +100,13 @@ def remote(
     Inside a context, the request records a send/recv pair as in :func:`rpc_sync`; the result
     keeps its autograd history on its owner, and :meth:`RRef.to_here` records the fetch.
     """
-    context_id = current_context_id()
+    context_id = _identity.current_context_id()
     if context_id is None:
         return RRef._wrap(torch_rpc.remote(to, func, args, kwargs, timeout))
-    to_name = _agent.name_of(to)
+    to_name = _identity.name_of(to)
     request = _envelope(context_id, to_name, (tuple(args or ()), dict(kwargs or {})))
-    return RRef._wrap(
-        torch_rpc.remote(to_name, _serve_remote, args=(request, func), timeout=timeout)
-    )
+    wire_func = _by_reference(func)
+    return RRef._wrap(_transport.remote(to_name, _serve_remote, (request, wire_func), timeout))
 
 
 class RRef(Generic[T]):
@@ -129,6 +131,10 @@ class RRef(Generic[T]):
         """The wrapped ``torch.distributed.rpc.RRef``."""
         return self._rref
 
+    def owner(self) -> WorkerInfo:
+        """The ``WorkerInfo`` of the worker that owns the value."""
+        return self._rref.owner()  # type: ignore[no-any-return]
+
     def owner_name(self) -> str:
         """The name of the worker that owns the value."""
         return str(self._rref.owner_name())
@@ -149,7 +155,7 @@ class RRef(Generic[T]):
         """
         if self.is_owner():
             return self.local_value()
-        if current_context_id() is None:
+        if _identity.current_context_id() is None:
             value: T = self._rref.to_here(timeout)
             return value
         fetched: T = rpc_sync(self.owner_name(), _local_value, args=(self._rref,), timeout=timeout)
@@ -163,31 +169,80 @@ def _local_value(rref: Any) -> Any:
     return rref.local_value()
 
 
+@dataclass(frozen=True)
+class _ScriptFunctionRef:
+    """A TorchScript function named by its qualified name (script functions do not pickle)."""
+
+    qualified_name: str
+
+    def resolve(self) -> Callable[..., Any]:
+        name = self.qualified_name.removeprefix("__torch__.")
+        module_name, _, attr = name.rpartition(".")
+        try:
+            module = sys.modules.get(module_name) or importlib.import_module(module_name)
+            found = getattr(module, attr)
+        except (ImportError, AttributeError):
+            found = None
+        if not isinstance(found, torch.jit.ScriptFunction):
+            raise RpcAutogradError(
+                f"TorchScript function {self.qualified_name} is not defined on "
+                f"{_identity.worker_name()}: define it (with @torch.jit.script) in a module that "
+                "every worker can import"
+            )
+        return found
+
+
+def _by_reference(func: Callable[..., Any]) -> Any:
+    if isinstance(func, torch.jit.ScriptFunction):
+        return _ScriptFunctionRef(torch._jit_internal._qualified_name(func))
+    return func
+
+
+def _send_call(
+    context_id: int,
+    to: Worker,
+    func: Callable[..., Any],
+    args: tuple[Any, ...] | None,
+    kwargs: dict[str, Any] | None,
+    timeout: float,
+) -> tuple[str, Future[Envelope]]:
+    """Send the request of a call made inside a context; the future's value is the answer."""
+    to_name = _identity.name_of(to)
+    request = _envelope(context_id, to_name, (tuple(args or ()), dict(kwargs or {})))
+    fut = _transport.call_async(to_name, _serve_call, (request, _by_reference(func)), timeout)
+    return to_name, fut
+
+
 def _envelope(context_id: int, to_name: str, payload: Any) -> Envelope:
     ctx = lookup(context_id)
-    sent, message_id, positions = detach_for_send(ctx, to_name, payload)
-    return Envelope(context_id, _agent.worker_name(), sent, message_id, positions)
+    sent, message_id, positions, lineage = detach_for_send(ctx, to_name, payload)
+    return Envelope(context_id, _identity.worker_name(), sent, message_id, positions, lineage)
 
 
 def _open(envelope: Envelope, from_worker: str) -> Any:
     """Unpack an envelope on its receiver, attaching a recv node where tensors required grad."""
     ctx = get_or_create(envelope.context_id)
-    return attach_recv(ctx, from_worker, envelope.payload, envelope.message_id, envelope.positions)
+    e = envelope
+    return attach_recv(ctx, from_worker, e.payload, e.message_id, e.positions, e.lineage)
 
 
-def _run_inside(request: Envelope, func: Callable[..., Any]) -> Any:
+def _run_inside(request: Envelope, func: Any) -> Any:
+    _transport.install_guard()
+    _liveness.ensure_started()
+    if isinstance(func, _ScriptFunctionRef):
+        func = func.resolve()
     args, kwargs = _open(request, request.sender)
-    previous = _set_current(request.context_id)
+    previous = _identity.set_current(request.context_id)
     try:
         return func(*args, **kwargs)
     finally:
-        _set_current(previous)
+        _identity.set_current(previous)
 
 
-def _serve_call(request: Envelope, func: Callable[..., Any]) -> Envelope:
+def _serve_call(request: Envelope, func: Any) -> Envelope:
     result = _run_inside(request, func)
     return _envelope(request.context_id, request.sender, result)
 
 
-def _serve_remote(request: Envelope, func: Callable[..., Any]) -> Any:
+def _serve_remote(request: Envelope, func: Any) -> Any:
     return _run_inside(request, func)

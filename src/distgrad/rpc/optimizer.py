@@ -9,15 +9,15 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.distributed import rpc as torch_rpc
 
 from distgrad.errors import RpcAutogradError
-from distgrad.rpc import _agent
+from distgrad.rpc import _identity, _transport
+from distgrad.rpc._context import lookup
 from distgrad.rpc.calls import RRef
-from distgrad.rpc.context import lookup
 
 __all__ = ["DistributedOptimizer"]
 
+_UNSET = -1.0  # torch's "use the agent's default timeout"
 # One lock per worker: concurrent steps on one worker (several trainers) run one at a time.
 _step_lock = threading.Lock()
 
@@ -75,7 +75,7 @@ def _drop_everywhere(owners: list[str], optimizer_id: int) -> None:
     for owner in owners:
         # RPC may already be shut down: then nothing is left to drop.
         with contextlib.suppress(Exception):
-            torch_rpc.rpc_async(owner, _drop, args=(optimizer_id,))
+            _transport.call_async(owner, _drop, (optimizer_id,), _UNSET)
 
 
 class DistributedOptimizer:
@@ -103,13 +103,13 @@ class DistributedOptimizer:
         for ref in params_rref:
             raw = ref.torch_rref if isinstance(ref, RRef) else ref
             by_owner.setdefault(str(raw.owner_name()), []).append(raw)
-        self._id = _agent.new_id()
+        self._id = _identity.new_id()
         self._owners = sorted(by_owner)
         futures = [
             (
                 owner,
-                torch_rpc.rpc_async(
-                    owner, _make, args=(self._id, optimizer_class, by_owner[owner], args, kwargs)
+                _transport.call_async(
+                    owner, _make, (self._id, optimizer_class, by_owner[owner], args, kwargs), _UNSET
                 ),
             )
             for owner in self._owners
@@ -121,7 +121,7 @@ class DistributedOptimizer:
             except Exception as exc:
                 raise RpcAutogradError(
                     f"DistributedOptimizer: creating {optimizer_class.__name__} on {owner} "
-                    f"failed: {_agent.describe_error(exc)}"
+                    f"failed: {_transport.describe_error(exc)}"
                 ) from None
 
     def step(self, context_id: int) -> None:
@@ -131,7 +131,7 @@ class DistributedOptimizer:
         every owner has finished), e.g. because the context is unknown there.
         """
         futures = [
-            (owner, torch_rpc.rpc_async(owner, _step, args=(self._id, context_id)))
+            (owner, _transport.call_async(owner, _step, (self._id, context_id), _UNSET))
             for owner in self._owners
         ]
         errors: list[str] = []
@@ -139,6 +139,6 @@ class DistributedOptimizer:
             try:
                 fut.wait()
             except Exception as exc:
-                errors.append(f"{owner}: {_agent.describe_error(exc)}")
+                errors.append(f"{owner}: {_transport.describe_error(exc)}")
         if errors:
             raise RpcAutogradError("DistributedOptimizer.step failed on " + "; ".join(errors))

@@ -1,85 +1,36 @@
-"""Send and recv records: where a worker's local autograd graph meets another worker's.
+"""Recording sends and recvs in the forward pass, and the recv node that acts in backward.
 
-For every message that carries tensors requiring grad, the sender records a :class:`SendRecord`
-(the tensors it sent, which are the edges into its local graph) and the receiver passes the
-tensors through :class:`_RecvFunction`, an autograd node whose backward ships the incoming
-gradients back to the sender. Both halves share one autograd message id, unique across workers.
-
-In backward, a gradient message for message id ``m`` arrives at the sender, which looks up
-``sends[m]`` and runs its local engine from those tensors with the received gradients.
+For every message that carries tensors requiring grad, the sender detaches those tensors and
+keeps a ``SendRecord``; the receiver passes them through :class:`_RecvFunction`, an autograd
+node whose backward hands the gradients of its outputs to the backward phase running in the
+context (which ships them to the sender). The recv node knows the context and the message,
+never the engine.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, TypeAlias
+from typing import Any
 
 import torch
 from torch import Tensor
-from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from distgrad.rpc import _agent
-from distgrad.rpc.context import DistAutogradContext
+from distgrad.rpc import _context, _identity
+from distgrad.rpc._context import DistAutogradContext
+from distgrad.rpc._records import Lineage, RecvRecord, SendRecord, Target, target_of
 
-__all__ = [
-    "RecvRecord",
-    "SendRecord",
-    "Target",
-    "attach_recv",
-    "detach_for_send",
-    "edge_of",
-    "is_recv_node",
-    "target_of",
-]
+__all__ = ["attach_recv", "detach_for_send", "is_recv_node"]
 
 _RECV_NODE_NAME = "_RecvFunctionBackward"
 
 
 def is_recv_node(node: Any) -> bool:
-    """Whether an autograd node is the recv node of a message."""
+    """Whether an autograd node is the recv node of a message (its ``message_id`` names it)."""
     return type(node).__name__ == _RECV_NODE_NAME
 
 
-# Where a sent tensor's gradient enters this worker's graph: a leaf is kept as itself; any
-# other tensor as its gradient edge (its grad_fn and output number). The edge keeps the graph
-# but not the tensor's data, which can be freed as soon as the message is sent, and it still
-# names the value that was sent if the tensor is later modified in place.
-Target: TypeAlias = "Tensor | GradientEdge"
-
-
-def target_of(t: Tensor) -> Target:
-    return t if t.grad_fn is None else get_gradient_edge(t)
-
-
-def edge_of(target: Target) -> GradientEdge:
-    return target if isinstance(target, GradientEdge) else get_gradient_edge(target)
-
-
-@dataclass
-class SendRecord:
-    """The sending half of a pair: where the sent tensors' gradients enter, and where they went."""
-
-    message_id: int
-    to_worker: str
-    targets: list[Target]
-    leaves: list[Tensor] | None = None  # leaves reachable from ``targets``, found on first use
-    reach: dict[int, Any] | None = None  # SMART: id -> node for every node reachable
-    recvs_reached: list[tuple[int, str]] | None = None  # SMART: (recv message id, its sender)
-
-
-@dataclass
-class RecvRecord:
-    """The receiving half of a pair: the sender to ship gradients to."""
-
-    message_id: int
-    from_worker: str
-    context_id: int
-    num_outputs: int
-
-
 class _RecvFunction(torch.autograd.Function):
-    """Identity in forward; in backward, ships the gradients to the sender and returns none."""
+    """Identity in forward; in backward, hands the gradients to the running phase."""
 
     @staticmethod
     def forward(
@@ -90,13 +41,13 @@ class _RecvFunction(torch.autograd.Function):
         # through C++ that the garbage collector cannot see.
         ctx.context_id = context_id
         ctx.message_id = message_id
-        return tensors
+        # detach(): a new tensor on the same memory. Returning an input as is would make
+        # autograd take a view of it, which sparse tensors do not have.
+        return tuple(t.detach() for t in tensors)
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor | None) -> Any:
-        from distgrad.rpc.fast import ship_gradients
-
-        ship_gradients(ctx.context_id, ctx.message_id, list(grads))
+        _context.lookup(ctx.context_id).hand_back(ctx.message_id, list(grads))
         return (None, None, None, *[None] * len(grads))
 
 
@@ -116,6 +67,138 @@ def _map_tensors(obj: Any, fn: Callable[[Tensor], Tensor]) -> Any:
     return obj
 
 
+class _Detacher:
+    """Detaches the tensors that require grad, remembering their targets and positions."""
+
+    def __init__(self) -> None:
+        self.index = 0
+        self.targets: list[Target] = []
+        self.positions: list[int] = []
+
+    def __call__(self, t: Tensor) -> Tensor:
+        index = self.index
+        self.index += 1
+        if not t.requires_grad:
+            return t
+        self.targets.append(target_of(t))
+        self.positions.append(index)
+        return t.detach()
+
+
+class _Substituter:
+    """Replaces the tensors at chosen positions (in traversal order) with given ones."""
+
+    def __init__(self, replaced: dict[int, Tensor]) -> None:
+        self.index = 0
+        self.replaced = replaced
+
+    def __call__(self, t: Tensor) -> Tensor:
+        index = self.index
+        self.index += 1
+        return self.replaced.get(index, t)
+
+
+def detach_for_send(
+    ctx: DistAutogradContext, to_worker: str, payload: Any
+) -> tuple[Any, int | None, list[int], Lineage | None]:
+    """Detach the tensors in ``payload`` that require grad and record a send for them.
+
+    Returns the payload to transmit, the message id (``None`` if nothing requires grad), the
+    positions, in traversal order, of the tensors that required grad, and the send's lineage.
+    """
+    if not torch.is_grad_enabled():
+        with ctx.lock:
+            ctx.know(to_worker)
+        return payload, None, [], None
+    detacher = _Detacher()
+    out = _map_tensors(payload, detacher)
+    with ctx.lock:
+        ctx.know(to_worker)
+        if not detacher.targets:
+            return out, None, [], None
+        message_id = _identity.new_id()
+        lineage = _lineage_below(ctx, detacher.targets)
+        ctx.sends[message_id] = SendRecord(message_id, to_worker, detacher.targets, lineage)
+    return out, message_id, detacher.positions, lineage
+
+
+# A send's lineage is found when it is sent by walking the graph below its tensors, so that
+# SMART needs no lineage query for it; the walk stops after this many nodes (the lineage is
+# then left for SMART to ask for), so that FAST, which never uses it, pays little.
+_LINEAGE_WALK_NODES = 64
+_LINEAGE_SIZE = 64
+
+
+def _lineage_below(ctx: DistAutogradContext, targets: list[Target]) -> Lineage | None:
+    """The sends on every worker that gradients entering ``targets`` reach (holds the lock).
+
+    Each recv reached contributes its sender's send and that send's own lineage, which came
+    with it. ``None`` if the walk or the lineage grows too large, or a recv's is unknown.
+    """
+    stack: list[Any] = [t.node for t in targets if not isinstance(t, Tensor)]  # leaves: nothing
+    if not stack:
+        return {}
+    found: dict[str, set[int]] = {}
+    seen: set[int] = set()
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if len(seen) > _LINEAGE_WALK_NODES:
+            return None
+        if is_recv_node(node):
+            record = ctx.recvs[node.message_id]
+            if record.lineage is None:
+                return None
+            found.setdefault(record.from_worker, set()).add(record.message_id)
+            for worker, ids in record.lineage.items():
+                found.setdefault(worker, set()).update(ids)
+            continue
+        stack.extend(n for n, _ in node.next_functions)
+    if sum(len(ids) for ids in found.values()) > _LINEAGE_SIZE:
+        return None
+    return {worker: frozenset(ids) for worker, ids in found.items()}
+
+
+def attach_recv(
+    ctx: DistAutogradContext,
+    from_worker: str,
+    payload: Any,
+    message_id: int | None,
+    positions: list[int],
+    lineage: Lineage | None,
+) -> Any:
+    """Pass the tensors at ``positions`` through a recv node of message ``message_id``."""
+    if message_id is None:
+        with ctx.lock:
+            ctx.know(from_worker)
+        return payload
+    if isinstance(payload, Tensor):  # a call's result, most often
+        found = [payload]
+    else:
+        every: list[Tensor] = []
+        _tensors_in(payload, every)
+        found = [every[i] for i in positions]
+    if torch.is_grad_enabled():
+        outputs = _RecvFunction.apply(  # type: ignore[no-untyped-call]
+            ctx.context_id, message_id, _context.ANCHOR, *found
+        )
+    else:
+        with torch.enable_grad():
+            outputs = _RecvFunction.apply(  # type: ignore[no-untyped-call]
+                ctx.context_id, message_id, _context.ANCHOR, *found
+            )
+    with ctx.lock:
+        ctx.know(from_worker)
+        ctx.recvs[message_id] = RecvRecord(
+            message_id, from_worker, ctx.context_id, len(found), lineage
+        )
+    if isinstance(payload, Tensor):
+        return outputs[0]
+    return _map_tensors(payload, _Substituter(dict(zip(positions, outputs, strict=True))))
+
+
 def _tensors_in(obj: Any, found: list[Tensor]) -> None:
     """Append the tensors inside ``obj`` to ``found``, in :func:`_map_tensors`'s order."""
     if isinstance(obj, Tensor):
@@ -126,67 +209,3 @@ def _tensors_in(obj: Any, found: list[Tensor]) -> None:
     elif isinstance(obj, dict):
         for x in obj.values():
             _tensors_in(x, found)
-
-
-def detach_for_send(
-    ctx: DistAutogradContext, to_worker: str, payload: Any
-) -> tuple[Any, int | None, list[int]]:
-    """Detach the tensors in ``payload`` that require grad and record a send for them.
-
-    Returns the payload to transmit, the message id (``None`` if nothing requires grad) and the
-    positions, in traversal order, of the tensors that required grad.
-    """
-    sent: list[Target] = []
-    positions: list[int] = []
-    counter = [0]
-
-    def detach(t: Tensor) -> Tensor:
-        index = counter[0]
-        counter[0] += 1
-        if t.requires_grad and torch.is_grad_enabled():
-            sent.append(target_of(t))
-            positions.append(index)
-            return t.detach()
-        return t
-
-    out = _map_tensors(payload, detach)
-    with ctx.lock:
-        ctx.known_workers.add(to_worker)
-        if not sent:
-            return out, None, []
-        message_id = _agent.new_id()
-        ctx.sends[message_id] = SendRecord(message_id, to_worker, sent)
-    return out, message_id, positions
-
-
-def attach_recv(
-    ctx: DistAutogradContext,
-    from_worker: str,
-    payload: Any,
-    message_id: int | None,
-    positions: list[int],
-) -> Any:
-    """Pass the tensors at ``positions`` through a recv node of message ``message_id``."""
-    with ctx.lock:
-        ctx.known_workers.add(from_worker)
-    if message_id is None:
-        return payload
-    every: list[Tensor] = []
-    _tensors_in(payload, every)
-    found = [every[i] for i in positions]
-    record = RecvRecord(message_id, from_worker, ctx.context_id, len(found))
-    with torch.enable_grad():
-        outputs = _RecvFunction.apply(  # type: ignore[no-untyped-call]
-            ctx.context_id, message_id, ctx.anchor, *found
-        )
-    with ctx.lock:
-        ctx.recvs[message_id] = record
-    replaced: dict[int, Tensor] = dict(zip(positions, outputs, strict=True))
-    counter = [0]
-
-    def substitute(t: Tensor) -> Tensor:
-        index = counter[0]
-        counter[0] += 1
-        return replaced.get(index, t)
-
-    return _map_tensors(payload, substitute)

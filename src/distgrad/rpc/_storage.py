@@ -1,0 +1,140 @@
+"""Where a context keeps its gradients, with the rules of ``.grad`` (torch's AccumulateGrad).
+
+A stored gradient is a tensor of its own: it shares memory with no other stored gradient and
+with no tensor the caller may still hold, and a dense one is laid out like its tensor. A
+gradient that already is such a tensor is kept as it is, without a copy. Any other is copied:
+an expanded view (the gradient of a ``sum``), a slice of a larger buffer, one buffer handed to
+two leaves by the same backward (an add's), a view of a gradient the user passed in, a sparse
+gradient whose indices or values are not contiguous. A second gradient for the same tensor is
+added out of place, so a gradient handed out by ``get_gradients`` never changes afterwards.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterable, Iterator, Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = ["GradientStore", "memory_of", "own_copies", "owns_its_memory"]
+
+
+def _block(t: Tensor) -> tuple[int, ...]:
+    storage = t.untyped_storage()
+    return (storage.data_ptr(),) if storage.nbytes() else ()
+
+
+def memory_of(t: Tensor) -> tuple[int, ...]:
+    """Where ``t``'s memory starts (one entry per buffer; none for empty tensors)."""
+    if t.layout == torch.sparse_coo:
+        return _block(t._indices()) + _block(t._values())
+    if t.layout == torch.strided:
+        return _block(t)
+    return ()
+
+
+def _fills(t: Tensor) -> bool:
+    """Whether ``t`` is contiguous and uses every byte of its storage."""
+    return t.is_contiguous() and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+
+
+def _is_dense(t: Tensor) -> bool:
+    """Whether ``t``'s elements tile one block of memory without gaps or overlaps."""
+    expected = 1
+    dims = sorted((st, sz) for st, sz in zip(t.stride(), t.shape, strict=True) if sz != 1)
+    for stride, size in dims:
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def owns_its_memory(tensor: Tensor, grad: Tensor) -> bool:
+    """Whether ``grad`` could be ``tensor``'s ``.grad`` as it is (AccumulateGrad's contract).
+
+    Dense: ``grad`` fills its whole storage and has ``tensor``'s strides (contiguous strides
+    when ``tensor`` is not dense itself). Sparse COO: contiguous indices and values that fill
+    their storage. Other layouts are always copied.
+    """
+    if grad.layout == torch.sparse_coo:
+        return _fills(grad._indices()) and _fills(grad._values())
+    if grad.layout != torch.strided or tensor.layout != torch.strided:
+        return False
+    if grad.untyped_storage().nbytes() != grad.numel() * grad.element_size():
+        return False
+    if _is_dense(tensor):
+        return grad.stride() == tensor.stride()
+    return grad.is_contiguous()
+
+
+def _copy(tensor: Tensor, grad: Tensor) -> Tensor:
+    """``grad`` in memory of its own, laid out like ``tensor`` where ``tensor`` is dense."""
+    if grad.layout == torch.strided and tensor.layout == torch.strided:
+        # empty_like keeps a dense tensor's strides; an expanded or gappy one gets contiguous
+        return torch.empty_like(tensor).copy_(grad)
+    return grad.clone()  # sparse: indices and values cloned contiguous
+
+
+def own_copies(grads: Sequence[Tensor | None]) -> list[Tensor | None]:
+    """``grads`` with each one that shares memory with another, or does not fill its own
+    memory (an expanded view), replaced by a copy; the others are kept as they are."""
+    seen: set[int] = set()
+    out: list[Tensor | None] = []
+    for grad in grads:
+        if grad is not None:
+            keys = memory_of(grad)
+            if seen.intersection(keys) or not owns_its_memory(grad, grad):
+                grad = _copy(grad, grad)
+                keys = memory_of(grad)
+            seen.update(keys)
+        out.append(grad)
+    return out
+
+
+class GradientStore:
+    """One context's gradients on one worker: ``{tensor: gradient}`` with ``.grad``'s rules.
+
+    Not thread safe on its own: the context's lock guards it.
+    """
+
+    def __init__(self) -> None:
+        self._grads: dict[int, tuple[Tensor, Tensor]] = {}  # id(tensor) -> (tensor, gradient)
+        self._memory: set[int] = set()  # where the stored gradients' buffers start
+
+    def add_all(
+        self, pairs: Iterable[tuple[Tensor, Tensor]], foreign: frozenset[int] = frozenset()
+    ) -> None:
+        """Add the gradients of one backward phase (``(tensor, gradient)`` pairs).
+
+        ``foreign``: memory the caller may still hold (gradients the user passed in), which a
+        stored gradient must not share. Gradients of one phase that share memory with each
+        other are all copied, as torch does.
+        """
+        pairs = list(pairs)
+        counts = collections.Counter(k for _, g in pairs for k in memory_of(g))
+        for tensor, grad in pairs:
+            keys = memory_of(grad)
+            shared = any(counts[k] > 1 or k in foreign or k in self._memory for k in keys)
+            self._add(tensor, grad, copy=shared or not owns_its_memory(tensor, grad))
+
+    def _add(self, tensor: Tensor, grad: Tensor, copy: bool) -> None:
+        held = self._grads.get(id(tensor))
+        if held is not None:
+            self._memory.difference_update(memory_of(held[1]))
+            # torch adds a sparse tensor to a dense one, not the other way round
+            stored = grad + held[1] if held[1].is_sparse and not grad.is_sparse else held[1] + grad
+        else:
+            stored = _copy(tensor, grad) if copy else grad
+        self._memory.update(memory_of(stored))
+        self._grads[id(tensor)] = (tensor, stored)
+
+    def get(self, tensor: Tensor) -> Tensor | None:
+        held = self._grads.get(id(tensor))
+        return None if held is None else held[1]
+
+    def items(self) -> Iterator[tuple[Tensor, Tensor]]:
+        return iter(list(self._grads.values()))
+
+    def __len__(self) -> int:
+        return len(self._grads)

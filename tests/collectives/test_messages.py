@@ -1,0 +1,110 @@
+"""Past the first calls on a group, an op sends its data and nothing else.
+
+Counted, not timed: the torch profiler records every torch.distributed operation a rank runs
+(``c10d::...`` events), in the forward and in the backward pass, on 2 gloo ranks after the
+calls that are checked across ranks. Each op's counts are pinned below. On gloo, all_gather and
+all_to_all run as concurrent point-to-point pairs (one send and one receive per peer), so
+"send 1, recv 1" on 2 ranks is one all_gather or one all_to_all; a metadata exchange is a
+``_allgather_base_``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.profiler import ProfilerActivity, profile
+
+import distgrad as dg
+from distgrad.testing import run_on_ranks
+from tests.collectives.reference import warm_up
+
+PAIR = {"send": 1, "recv_": 1}  # one exchange by point-to-point pairs, on 2 ranks
+TWO_PAIRS = {"send": 2, "recv_": 2}
+
+
+def _cases(rank: int) -> dict[str, Callable[[Tensor], Tensor]]:
+    n = 2
+    return {
+        "all_gather, sizes given": lambda x: dg.all_gather(x, sizes=[4] * n),
+        "all_gather, sizes learned": lambda x: dg.all_gather(x),
+        "reduce_scatter": lambda x: dg.reduce_scatter(x),
+        "all_reduce sum": lambda x: dg.all_reduce(x),
+        "all_reduce avg": lambda x: dg.all_reduce(x, "avg"),
+        "all_reduce max": lambda x: dg.all_reduce(x, "max"),
+        "all_reduce prod": lambda x: dg.all_reduce(x, torch.distributed.ReduceOp.PRODUCT),
+        "all_to_all even": lambda x: dg.all_to_all(x),
+        "all_to_all, sizes given": lambda x: dg.all_to_all(
+            x, input_sizes=[1, 3], output_sizes=[1, 1] if rank == 0 else [3, 3]
+        ),
+        "all_to_all, output sizes learned": lambda x: dg.all_to_all(x, input_sizes=[1, 3]),
+        "broadcast": lambda x: dg.broadcast(x, 1),
+        "reduce": lambda x: dg.reduce(x, 0),
+        "gather, sizes given": lambda x: dg.gather(x, 0, sizes=[4] * n),
+        "scatter, sizes given": lambda x: dg.scatter(x if rank == 0 else x[:2], 0, sizes=[2, 2]),
+        "permute, recv_shape given": lambda x: dg.permute(x, [1, 0], recv_shape=(4, 3)),
+        "info_nce, sizes given": lambda x: dg.losses.info_nce(x, x.flip(0), sizes=[4] * n),
+        "clip_loss ring, sizes given": lambda x: dg.losses.clip_loss(
+            x, x.flip(0), sizes=[4] * n, block_size=2
+        ),
+        "barlow_twins, sizes given": lambda x: dg.losses.barlow_twins(x, x.flip(0), sizes=[4] * n),
+    }
+
+
+EXPECTED: dict[str, tuple[dict[str, int], dict[str, int]]] = {  # (forward, backward)
+    "all_gather, sizes given": (PAIR, PAIR),
+    "all_gather, sizes learned": ({"_allgather_base_": 1, **PAIR}, PAIR),
+    "reduce_scatter": (PAIR, PAIR),
+    "all_reduce sum": ({"allreduce_": 1}, {"allreduce_": 1}),
+    "all_reduce avg": ({"allreduce_": 1}, {"allreduce_": 1}),
+    "all_reduce max": (TWO_PAIRS, TWO_PAIRS),
+    "all_reduce prod": (TWO_PAIRS, TWO_PAIRS),
+    "all_to_all even": (PAIR, PAIR),
+    "all_to_all, sizes given": (PAIR, PAIR),
+    "all_to_all, output sizes learned": ({"_allgather_base_": 1, **PAIR}, PAIR),
+    "broadcast": ({"broadcast_": 1}, {"reduce_": 1}),
+    "reduce": ({"reduce_": 1}, {"broadcast_": 1}),
+    "gather, sizes given": ({"gather_": 1}, {"scatter_": 1}),
+    "scatter, sizes given": ({"scatter_": 1}, {"gather_": 1}),
+    "permute, recv_shape given": (PAIR, PAIR),
+    # the keys' all_gather and the value's scalar all_reduce; the keys' reduce-scatter
+    "info_nce, sizes given": ({**PAIR, "allreduce_": 1}, PAIR),
+    # one ring pass (W shifts of the texts on 2 ranks) and the value; the backward pass's
+    "clip_loss ring, sizes given": (
+        {"send": 2, "recv_": 2, "allreduce_": 1},
+        {"send": 2, "recv_": 2},
+    ),
+    # 5 all_reduces of statistics, the same in backward
+    "barlow_twins, sizes given": ({"allreduce_": 5}, {"allreduce_": 5}),
+}
+
+
+def _count(events: Any) -> dict[str, int]:
+    found = Counter(e.name.removeprefix("c10d::") for e in events if e.name.startswith("c10d::"))
+    return dict(found)
+
+
+def _messages_of_every_op(rank: int, world_size: int) -> dict[str, tuple[dict[str, int], ...]]:
+    warm_up()
+    seen = {}
+    for name, call in _cases(rank).items():
+        x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+        with profile(activities=[ProfilerActivity.CPU]) as forward:
+            out = call(x)
+        with profile(activities=[ProfilerActivity.CPU]) as backward:
+            (out * torch.ones_like(out)).sum().backward()
+        seen[name] = (_count(forward.events()), _count(backward.events()))
+    return seen
+
+
+def test_past_the_checked_calls_every_op_sends_only_its_data() -> None:
+    for rank, seen in enumerate(run_on_ranks(_messages_of_every_op, 2, timeout=60)):
+        wrong = {
+            name: {"expected": EXPECTED[name], "seen": counts}
+            for name, counts in seen.items()
+            if counts != EXPECTED[name]
+        }
+        assert not wrong, f"rank {rank}: {wrong}"
