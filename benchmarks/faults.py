@@ -81,6 +81,7 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=5, help="trials per case")
     parser.add_argument("--mid-transfer-trials", type=int, default=20)
     parser.add_argument("--quick", action="store_true", help="a few cases, 1 trial: a smoke test")
+    parser.add_argument("--only", default="", help="run the cases whose name contains this")
     args = parser.parse_args()
     trials = 1 if args.quick else args.trials
     rng = random.Random(0)
@@ -93,6 +94,7 @@ def main() -> None:
             plan.append(
                 (f"{name} forward 32 MB sigkill mid-transfer", fault, args.mid_transfer_trials)
             )
+    plan = [case for case in plan if args.only in case[0]]
     for name, fault, n in plan:
         times: list[float] = []
         notes: set[str] = set()
@@ -105,7 +107,8 @@ def main() -> None:
                 times.append(took)
         rows.append(_row(name, times, n, notes))
         print(rows[-1], flush=True)
-    _write(rows, trials, time.monotonic() - start, args.quick)
+    if not args.only:  # a partial run prints its rows and leaves the table alone
+        _write(rows, trials, time.monotonic() - start, args.quick)
 
 
 def _row(name: str, times: list[float], n: int, notes: set[str]) -> str:

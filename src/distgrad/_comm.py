@@ -123,11 +123,12 @@ def share(values: Sequence[int], group: Group, desc: str = "a distgrad call") ->
         work = _all_gather_single(every, mine, group=group.pg, async_op=True)
     else:
         work = group.pg._allgather_base(every, mine, _ALL_GATHER_OPTIONS)
+    where = "forward" if torch._C._current_autograd_node() is None else "backward"
     _finish(
         work,
         group,
         what=f"the metadata handshake at the start of {desc}",
-        doing=f"was waiting for its peers at the start of {desc}",
+        doing=f"was waiting for its peers at the start of {desc}, in its {where}",
     )
     return every.tolist()  # type: ignore[no-any-return]
 
@@ -212,8 +213,14 @@ def start_exchange(
         works = dist.batch_isend_irecv(ops) if ops else []
     else:
         # The process group's own methods take group ranks; 0.25 ms faster than P2POp.
-        works = [pg.send([_real(t)], peer, P2P_TAG) for t, peer in sends]
-        works += [pg.recv([_real(t)], peer, P2P_TAG) for t, peer in recvs]
+        works = []
+        try:
+            for t, peer in sends:
+                works.append(pg.send([_real(t)], peer, P2P_TAG))
+            for t, peer in recvs:
+                works.append(pg.recv([_real(t)], peer, P2P_TAG))
+        except RuntimeError as exc:  # gloo refuses to post on a connection already closed
+            raise _wait.annotate(exc, group, [peers[len(works)]], time.monotonic()) from None
     return Exchange(works, peers, largest, group)
 
 

@@ -34,13 +34,16 @@ from distgrad.collectives._signature import CHECKED_CALLS
 
 SMALL = (256, 128)  # 128 KB of float32: point-to-point exchanges of it are waited for inline
 LARGE = (8192, 1024)  # 32 MB: waited for by a helper thread while this thread watches the peers
+# The ring loss computes [rows, rows] logits per step: its 32 MB of keys are few, long rows.
+_RING_LARGE = (64, 131072)
 _FAULT_STEP = CHECKED_CALLS + 1  # past the checked calls: the data exchange itself
 
 Op = Callable[[Tensor], Tensor]
 
 
 def _ring_loss(x: Tensor) -> Tensor:
-    return dg.losses.info_nce(x, x * 2, block_size=64)
+    rows = [x.shape[0]] * dist.get_world_size()
+    return dg.losses.info_nce(x, x * 2, block_size=64, sizes=rows)
 
 
 def ops(world_size: int, rows: int) -> dict[str, Op]:
@@ -66,14 +69,22 @@ def ops(world_size: int, rows: int) -> dict[str, Op]:
     }
 
 
+# torch 2.13's name for all_gather_into_tensor (the old name warns)
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def _torch_all_gather(x: Tensor) -> Tensor:
     out = x.new_empty((x.shape[0] * dist.get_world_size(), *x.shape[1:]))
-    dist.all_gather_into_tensor(out, x.detach().contiguous())
+    _all_gather_single(out, x.detach().contiguous())
     return out
 
 
-# The error text names the op as its description does.
-OP_NAMES = {"info_nce (ring)": "info_nce", "torch all_gather": "all_gather"}
+def named(op: str, where: str) -> str:
+    """How the survivor's error names ``op``: in the forward as it was called, in the backward
+    by the autograd node that runs it (the ring losses' is ``ring_reduce``)."""
+    if op == "info_nce (ring)":
+        return "info_nce" if where == "forward" else "ring_reduce"
+    return op.removeprefix("torch ")
 
 
 @dataclass(frozen=True)
@@ -98,9 +109,10 @@ class Seen:
 
 def run_fault(rank: int, world_size: int, fault: Fault) -> Seen:
     """The loop on each rank; rank 1 injects ``fault``, rank 0 returns what it saw."""
-    op = ops(world_size, fault.shape[0])[fault.op]
+    shape = _RING_LARGE if fault.op == "info_nce (ring)" and fault.shape == LARGE else fault.shape
+    op = ops(world_size, shape[0])[fault.op]
     gen = torch.Generator().manual_seed(rank)
-    x = torch.randn(fault.shape, generator=gen, requires_grad=True)
+    x = torch.randn(shape, generator=gen, requires_grad=True)
     differentiable = fault.op != "torch all_gather"
     where = "forward"
     try:
