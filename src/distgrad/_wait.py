@@ -122,6 +122,8 @@ class _Sentinel:
         self.error: BaseException | None = None
         self._thread: threading.Thread | None = None
         assert group.pg is not None
+        # Held so that the group's id, this sentinel's key, is never reused by a new group.
+        self.pg = group.pg
         try:
             # One byte that nobody ever sends: the receive stays pending for the process's life.
             work = group.pg.recv([torch.empty(1, dtype=torch.uint8)], peer, SENTINEL_TAG)
