@@ -36,6 +36,7 @@ another call (a skipped call, another group) or in none at all.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import queue
 import re
@@ -74,6 +75,7 @@ _TICK = timedelta(seconds=TICK_S)
 _FOREVER = timedelta(days=365)
 _REPORT_WAIT_S = 1.0  # after a timeout, how long to wait for the peers' own reports
 _RECENT_S = 5.0  # a peer's report counts if written this recently
+_NOTE_AFTER_S = 1.0  # a wait this long says in the store what it waits in, until it ends
 
 
 # ---------------------------------------------------------------------------------------------
@@ -191,22 +193,27 @@ def wait_collective(
     """Wait for a collective started with ``async_op=True`` on a gloo group, in ticks;
     ``what`` and ``doing`` describe the call in errors (:func:`annotate`)."""
     start = time.monotonic()
-    while True:
-        try:
-            work.wait(_TICK)
-            return
-        except RuntimeError as exc:
-            if work.is_completed():  # its own error, or it finished as the tick expired
-                try:
-                    work.wait()
-                    return
-                except RuntimeError as real:
-                    raise annotate(real, group, _others(group), start, what, doing) from None
-            tick_error = exc
-        dead = _dead_peer(group, _others(group))
-        if dead is not None:
-            error = _fresh(dead[1])
-            raise annotate(error, group, [dead[0]], start, what, doing) from tick_error
+    note = _LongWait(group, what, start)
+    try:
+        while True:
+            try:
+                work.wait(_TICK)
+                return
+            except RuntimeError as exc:
+                if work.is_completed():  # its own error, or it finished as the tick expired
+                    try:
+                        work.wait()
+                        return
+                    except RuntimeError as real:
+                        raise annotate(real, group, _others(group), start, what, doing) from None
+                tick_error = exc
+            dead = _dead_peer(group, _others(group))
+            if dead is not None:
+                error = _fresh(dead[1])
+                raise annotate(error, group, [dead[0]], start, what, doing) from tick_error
+            note.tick()
+    finally:
+        note.end()
 
 
 def wait_pairs(works: Sequence[Any], peers: Sequence[int], group: Group, largest: int) -> None:
@@ -222,10 +229,15 @@ def wait_pairs(works: Sequence[Any], peers: Sequence[int], group: Group, largest
         return
     job = _Job(works)
     _submit(job)
-    while not job.done.wait(TICK_S):
-        dead = _dead_peer(group, sorted(set(peers)))
-        if dead is not None:
-            raise annotate(_fresh(dead[1]), group, [dead[0]], start) from None
+    note = _LongWait(group, None, start)
+    try:
+        while not job.done.wait(TICK_S):
+            dead = _dead_peer(group, sorted(set(peers)))
+            if dead is not None:
+                raise annotate(_fresh(dead[1]), group, [dead[0]], start) from None
+            note.tick()
+    finally:
+        note.end()
     if job.error is not None:
         raise annotate(job.error, group, [peers[job.failed]], start) from None
 
@@ -278,6 +290,28 @@ def _submit(job: _Job) -> None:
         helper = _Helper()
         helper.start()
     helper.jobs.put(job)
+
+
+class _LongWait:
+    """Says in the default store what this rank waits in once a wait has lasted
+    :data:`_NOTE_AFTER_S`, and that it stopped when it ends: a peer that times out meanwhile
+    (its own timeout may be shorter) can then say where this rank is. One store write at the
+    start of a long wait and one at its end; nothing for a short one."""
+
+    __slots__ = ("_group", "_noted", "_start", "_what")
+
+    def __init__(self, group: Group, what: str | None, start: float) -> None:
+        self._group, self._what, self._start, self._noted = group, what, start, False
+
+    def tick(self) -> None:
+        if not self._noted and time.monotonic() - self._start > _NOTE_AFTER_S:
+            self._noted = True
+            what = self._what or activity(self._group)
+            _write_report(self._group, "waiting", f"waiting in {what}")
+
+    def end(self) -> None:
+        if self._noted:
+            _write_report(self._group, "waiting", "")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -356,27 +390,53 @@ def _store() -> Any:
         return None
 
 
+def _write_report(group: Group, kind: str, what: str) -> None:
+    """Store ``what`` this rank is doing under ``distgrad/<kind>/<global rank>`` ("" clears)."""
+    store = _store()
+    if store is None or group.pg is None:
+        return
+    where = f"{what}, on the group of global ranks {_global_ranks(group)}" if what else ""
+    with contextlib.suppress(Exception):  # the store is gone too: the message says less
+        store.set(
+            f"distgrad/{kind}/{dist.get_rank()}", json.dumps({"time": time.time(), "what": where})
+        )
+
+
+def _read_report(store: Any, kind: str, global_rank: int) -> tuple[float, str] | None:
+    name = f"distgrad/{kind}/{global_rank}"
+    if not store.check([name]):
+        return None
+    report = json.loads(store.get(name))
+    return float(report["time"]), str(report["what"])
+
+
 def _exchange_reports(group: Group, peers: Sequence[int], mine: str) -> dict[int, str] | None:
-    """Write this rank's report to the default store; read its peers' (by group rank)."""
+    """Write this rank's report to the default store; read its peers' (by group rank): a
+    recent timeout of theirs, or a long wait they are still in."""
     store = _store()
     if store is None or group.pg is None:
         return None
-    key = "distgrad/timeout/{}"
+    _write_report(group, "timeout", mine)
     try:
-        where = f"{mine}, on the group of global ranks {_global_ranks(group)}"
-        store.set(key.format(dist.get_rank()), json.dumps({"time": time.time(), "what": where}))
-        wanted = {peer: key.format(group.global_rank(peer)) for peer in peers}
         found: dict[int, str] = {}
         deadline = time.monotonic() + _REPORT_WAIT_S
         while True:
-            for peer, name in wanted.items():
-                if peer not in found and store.check([name]):
-                    report = json.loads(store.get(name))
-                    if abs(time.time() - report["time"]) < _RECENT_S:
-                        found[peer] = str(report["what"])
-            if len(found) == len(wanted) or time.monotonic() > deadline:
-                return found
+            for peer in peers:
+                if peer in found:
+                    continue
+                report = _read_report(store, "timeout", group.global_rank(peer))
+                if report is not None and abs(time.time() - report[0]) < _RECENT_S:
+                    found[peer] = report[1]
+            if len(found) == len(peers) or time.monotonic() > deadline:
+                break
             time.sleep(0.05)
+        for peer in peers:
+            waiting = (
+                None if peer in found else _read_report(store, "waiting", group.global_rank(peer))
+            )
+            if waiting is not None and waiting[1]:
+                found[peer] = f"is {waiting[1]} (for {time.time() - waiting[0]:.1f} s)"
+        return found
     except Exception:  # the store is gone too
         return None
 

@@ -23,10 +23,11 @@ PG_TIMEOUT_S = 2.0
 MARGIN_S = 5.0  # the report exchange takes up to 1 s more; CI machines are loaded
 
 
-def _run(fn: object) -> list[tuple[float, str]]:
+def _run(fn: object, *args: object) -> list[tuple[float, str]]:
     return run_on_ranks(
         fn,  # type: ignore[arg-type]
         2,
+        args=args,
         timeout=30,
         collective_timeout=PG_TIMEOUT_S,
         grace=PG_TIMEOUT_S + MARGIN_S,
@@ -55,9 +56,9 @@ def test_a_skipped_backward_times_out_naming_the_op_the_pass_and_the_missing_ran
     assert "(it skipped this call, for example its backward" in first
 
 
-def _different_groups(rank: int, world_size: int) -> tuple[float, str]:
-    # The same members, another group (new_group's default timeout is not the world's).
-    other = dist.new_group([0, 1], timeout=timedelta(seconds=PG_TIMEOUT_S))
+def _different_groups(rank: int, world_size: int, other_timeout: float) -> tuple[float, str]:
+    # The same members, another group, with its own timeout.
+    other = dist.new_group([0, 1], timeout=timedelta(seconds=other_timeout))
     start = time.monotonic()
     with pytest.raises(RuntimeError) as info:
         dg.all_reduce(torch.ones(3), group=None if rank == 0 else other)
@@ -65,7 +66,7 @@ def _different_groups(rank: int, world_size: int) -> tuple[float, str]:
 
 
 def test_ranks_on_different_groups_both_time_out_saying_where_the_other_waits() -> None:
-    for rank, (took, message) in enumerate(_run(_different_groups)):
+    for rank, (took, message) in enumerate(_run(_different_groups, PG_TIMEOUT_S)):
         peer = 1 - rank
         first = message.splitlines()[0]
         assert PG_TIMEOUT_S - 0.5 < took < PG_TIMEOUT_S + MARGIN_S, (rank, took, first)
@@ -78,6 +79,18 @@ def test_ranks_on_different_groups_both_time_out_saying_where_the_other_waits() 
         assert f"rank {peer} timed out in the metadata handshake at the start of all_reduce" in (
             first
         ), first
+
+
+def test_a_peer_still_waiting_on_another_group_is_said_to_be_waiting_there() -> None:
+    """Rank 1's group has a longer timeout: when rank 0 times out, rank 1 still waits (and says
+    so in the store once its wait has lasted a second); it fails when rank 0 leaves."""
+    took, message = _run(_different_groups, 60.0)[0]
+    first = message.splitlines()[0]
+    assert PG_TIMEOUT_S - 0.5 < took < PG_TIMEOUT_S + MARGIN_S, (took, first)
+    assert (
+        "rank 1 is waiting in the metadata handshake at the start of all_reduce(op='sum'), on the "
+        "group of global ranks 0, 1 (for "
+    ) in first, first
 
 
 def _requires_grad_on_rank_0_only(rank: int, world_size: int) -> tuple[float, str]:
