@@ -32,6 +32,8 @@ account: which rank, which op, which pass, which peer. On a timeout, every rank 
 inside distgrad writes what it was waiting in to the default store, and reads what its peers
 wrote there, so the message can say, as far as the store can tell, whether a peer was waiting in
 another call (a skipped call, another group) or in none at all.
+A wait that lasts :data:`_NOTE_AFTER_S` also writes what it waits in (and clears it when it
+ends), so a peer whose own timeout is longer is named as waiting too.
 """
 
 from __future__ import annotations
