@@ -16,32 +16,52 @@ Backend gaps handled here, once:
   unequal sizes as they are).
 * gloo's ``gather``/``scatter`` (and NCCL's ``all_gather``) reject unequal sizes; unequal sizes
   are padded to the largest and trimmed after.
+* On gloo every exchange calls the process group's own methods (``pg.send``, ``pg.allreduce``,
+  ...) with group ranks, not the ``torch.distributed`` wrappers: ``dist.P2POp`` with
+  ``dist.batch_isend_irecv`` cost about 250 us of Python per exchange and ``dist.all_reduce``
+  about 24 us over ``pg.allreduce``, for checks distgrad has already made. NCCL keeps the
+  wrappers (``batch_isend_irecv`` groups its pairs into one NCCL group call).
+* gloo does not fail an operation already moving bytes when its peer's connection closes, so a
+  plain wait could last the whole timeout after a peer died: every wait on gloo goes through
+  ``distgrad._wait``, which names the dead peer within tens of milliseconds, and every failed
+  exchange says which op, which pass and which peer (``_wait.annotate``).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch._C._distributed_c10d import (
+    AllgatherOptions,
+    AllreduceOptions,
+    BroadcastOptions,
+    GatherOptions,
+    ReduceOptions,
+    ScatterOptions,
+)
 
+from distgrad import _wait
 from distgrad._group import Group
 
 __all__ = [
+    "Exchange",
     "all_gather",
     "all_reduce",
     "all_to_all",
     "broadcast",
     "gather",
     "metadata_device",
-    "p2p_op",
     "permute",
     "reduce",
     "reduce_scatter",
     "scatter",
     "share",
+    "start_exchange",
 ]
 
 _TORCH_OPS = {
@@ -50,6 +70,21 @@ _TORCH_OPS = {
     "max": dist.ReduceOp.MAX,
     "min": dist.ReduceOp.MIN,
 }
+
+
+def _options(kind: Any, **fields: Any) -> Any:
+    """A c10d options object for an asynchronous call (made once per op and reused)."""
+    opts = kind()
+    opts.asyncOp = True
+    for name, value in fields.items():
+        setattr(opts, name, value)
+    return opts
+
+
+_ALL_REDUCE_OPTIONS = {
+    op: _options(AllreduceOptions, reduceOp=rop) for op, rop in _TORCH_OPS.items()
+}
+_ALL_GATHER_OPTIONS = _options(AllgatherOptions)
 
 
 # torch 2.13 renamed the tensor forms of all_gather and reduce_scatter (the old names warn);
@@ -65,16 +100,17 @@ def metadata_device(group: Group) -> torch.device:
     return torch.device("cpu")
 
 
-# The tag of every point-to-point message distgrad sends (p2p_op): gloo pairs messages between
-# two ranks by tag, in order, so an untagged message the user has in flight between the same
-# ranks would otherwise be taken by distgrad's receive, or take distgrad's message. ("dg")
+# The tag of every point-to-point message distgrad sends (start_exchange): gloo pairs messages
+# between two ranks by tag, in order, so an untagged message the user has in flight between the
+# same ranks would otherwise be taken by distgrad's receive, or take distgrad's message. ("dg")
 P2P_TAG = 0x6467
 
 
-def share(values: Sequence[int], group: Group) -> list[list[int]]:
+def share(values: Sequence[int], group: Group, desc: str = "a distgrad call") -> list[list[int]]:
     """Every rank's ``values`` (small integers, the same count on every rank), by group rank.
 
     A host synchronisation on NCCL (the result is read on the host): only metadata goes here.
+    ``desc`` names the call whose metadata this is, in the error raised when a peer is gone.
     """
     if group.pg is None or group.size == 1:
         return [list(values)]
@@ -83,8 +119,41 @@ def share(values: Sequence[int], group: Group) -> list[list[int]]:
     # on 2 ranks) but slower as the first exchange of a training step (1.0-1.8 ms against
     # 0.6-0.9 ms median, with more multi-millisecond stalls).
     every = mine.new_empty((group.size, len(values)))
-    _all_gather_single(every, mine, group=group.pg)
+    if group.is_nccl:
+        work = _all_gather_single(every, mine, group=group.pg, async_op=True)
+    else:
+        work = group.pg._allgather_base(every, mine, _ALL_GATHER_OPTIONS)
+    where = "forward" if torch._C._current_autograd_node() is None else "backward"
+    _finish(
+        work,
+        group,
+        what=f"the metadata handshake at the start of {desc}",
+        doing=f"was waiting for its peers at the start of {desc}, in its {where}",
+    )
     return every.tolist()  # type: ignore[no-any-return]
+
+
+def _finish(work: Any, group: Group, what: str | None = None, doing: str | None = None) -> None:
+    """Wait for a collective started asynchronously: in ticks on gloo (``_wait``); ``what``
+    and ``doing`` describe the call in errors (default: the op and pass running)."""
+    if group.is_nccl:
+        # No timed wait on NCCL: it would block the host until the GPU is done.
+        start = time.monotonic()
+        try:
+            work.wait()
+        except RuntimeError as exc:
+            raise _wait.annotate(exc, group, _peers(group), start, what, doing) from None
+    else:
+        _wait.wait_collective(work, group, what, doing)
+
+
+def _peers(group: Group) -> list[int]:
+    return [r for r in range(group.size) if r != group.rank]
+
+
+def _real(x: Tensor) -> Tensor:
+    """gloo moves real numbers: a complex tensor travels as its (..., 2) real view."""
+    return torch.view_as_real(x) if x.is_complex() else x
 
 
 def _pad_rows(x: Tensor, rows: int) -> Tensor:
@@ -104,6 +173,79 @@ def _trim_cat(padded: Tensor, sizes: Sequence[int]) -> Tensor:
     return torch.cat([blocks[i, :s] for i, s in enumerate(sizes)])
 
 
+# ---------------------------------------------------------------------------------------------
+# Point-to-point exchanges
+
+
+class Exchange:
+    """Point-to-point sends and receives in flight; :meth:`wait` finishes them all.
+
+    Started by :func:`start_exchange`. Waiting goes through ``distgrad._wait``, so a peer that
+    dies during the exchange is an error naming it within tens of milliseconds.
+    """
+
+    __slots__ = ("_group", "_largest", "_peers", "_works")
+
+    def __init__(self, works: list[Any], peers: list[int], largest: int, group: Group) -> None:
+        self._works = works
+        self._peers = peers
+        self._largest = largest
+        self._group = group
+
+    def wait(self) -> None:
+        if self._works:
+            _wait.wait_pairs(self._works, self._peers, self._group, self._largest)
+
+
+def start_exchange(
+    sends: Sequence[tuple[Tensor, int]], recvs: Sequence[tuple[Tensor, int]], group: Group
+) -> Exchange:
+    """Start sending each ``(tensor, peer)`` of ``sends`` and receiving into each of ``recvs``
+    (contiguous tensors, group ranks), tagged so that they never meet the user's own messages.
+    Sends are started first, in order, then receives."""
+    pg = group.pg
+    assert pg is not None
+    peers = [peer for _, peer in sends] + [peer for _, peer in recvs]
+    largest = max((_nbytes(t) for t, _ in (*sends, *recvs)), default=0)
+    if group.is_nccl:
+        ops = [dist.P2POp(dist.isend, t, group.global_rank(p), pg, tag=P2P_TAG) for t, p in sends]
+        ops += [dist.P2POp(dist.irecv, t, group.global_rank(p), pg, tag=P2P_TAG) for t, p in recvs]
+        works = dist.batch_isend_irecv(ops) if ops else []
+    else:
+        # The process group's own methods take group ranks; 0.25 ms faster than P2POp.
+        works = []
+        try:
+            for t, peer in sends:
+                works.append(pg.send([_real(t)], peer, P2P_TAG))
+            for t, peer in recvs:
+                works.append(pg.recv([_real(t)], peer, P2P_TAG))
+        except RuntimeError as exc:  # gloo refuses to post on a connection already closed
+            raise _wait.annotate(exc, group, [peers[len(works)]], time.monotonic()) from None
+    return Exchange(works, peers, largest, group)
+
+
+def _nbytes(x: Tensor) -> int:
+    return x.numel() * x.element_size()
+
+
+def _exchange_by_pairs(sent: Sequence[Tensor], received: Sequence[Tensor], group: Group) -> None:
+    """Send ``sent[i]`` to group rank i and receive ``received[i]`` from it, all at once.
+
+    This rank's own pair is a local copy. The same bytes as gloo's all_gather and
+    all_to_all_single, which are slower: 2 ranks, (4096, 512) float32 all_gather over
+    loopback 8.2 ms against 9.3 ms (3 ranks: 15.4 ms against 18.8 ms). Not measured: large
+    groups across machines, where each rank's N - 1 concurrent flows meet a ring's two
+    neighbours; a ring all_gather would be the thing to try there.
+    """
+    received[group.rank].copy_(sent[group.rank])
+    # A pair with nothing to move is skipped on both sides: the receiver's size for it equals
+    # the sender's (the handshake checked it).
+    others = [peer for peer in range(group.size) if peer != group.rank]
+    sends = [(sent[peer], peer) for peer in others if sent[peer].numel()]
+    recvs = [(received[peer], peer) for peer in others if received[peer].numel()]
+    start_exchange(sends, recvs, group).wait()
+
+
 def all_gather(x: Tensor, sizes: Sequence[int], group: Group) -> Tensor:
     """Concatenate every rank's ``x`` along dim 0; ``sizes[i]`` is rank i's row count."""
     if group.pg is None:
@@ -117,7 +259,7 @@ def all_gather(x: Tensor, sizes: Sequence[int], group: Group) -> Tensor:
     width = max(sizes)
     send = _pad_rows(x, width)
     out = send.new_empty((width * group.size, *x.shape[1:]))
-    _all_gather_single(out, send, group=group.pg)
+    _finish(_all_gather_single(out, send, group=group.pg, async_op=True), group)
     return _trim_cat(out, sizes)
 
 
@@ -128,7 +270,7 @@ def reduce_scatter(x: Tensor, sizes: Sequence[int], group: Group) -> Tensor:
     mine = sizes[group.rank]
     if group.is_nccl and all(s == mine for s in sizes):
         out = x.new_empty((mine, *x.shape[1:]))
-        _reduce_scatter_single(out, x.contiguous(), group=group.pg)
+        _finish(_reduce_scatter_single(out, x.contiguous(), group=group.pg, async_op=True), group)
         return out
     slices = all_to_all(x, sizes, [mine] * group.size, group)
     # Sum in rank order, the same order on every backend and run: results are reproducible.
@@ -143,62 +285,48 @@ def all_to_all(
         return x.clone()
     out = x.new_empty((sum(output_sizes), *x.shape[1:]))
     if group.is_nccl:
-        dist.all_to_all_single(
-            out, x.contiguous(), list(output_sizes), list(input_sizes), group=group.pg
+        work = dist.all_to_all_single(
+            out,
+            x.contiguous(),
+            list(output_sizes),
+            list(input_sizes),
+            group=group.pg,
+            async_op=True,
         )
+        _finish(work, group)
     else:
-        _all_to_all_by_pairs(x.contiguous(), out, input_sizes, output_sizes, group)
+        # Same bytes as gloo's own all_to_all_single, but the pairs run concurrently: on 2
+        # ranks over loopback it takes half the time (8192 x 512 float32: 10.9 against 16.6 ms).
+        sent = torch.split(x.contiguous(), list(input_sizes))
+        received = torch.split(out, list(output_sizes))  # views into ``out``, each contiguous
+        _exchange_by_pairs(sent, received, group)
     return out
 
 
-def _all_to_all_by_pairs(
-    x: Tensor, out: Tensor, input_sizes: Sequence[int], output_sizes: Sequence[int], group: Group
-) -> None:
-    """gloo's all_to_all, as one batch of point-to-point sends and receives.
-
-    Same bytes as gloo's own all_to_all_single, but the pairs run concurrently: on 2 ranks over
-    loopback it takes half the time (8192 x 512 float32: 10.9 ms against 16.6 ms).
-    """
-    sent = torch.split(x, list(input_sizes))
-    received = torch.split(out, list(output_sizes))  # views into ``out``, each contiguous
-    _exchange_by_pairs(sent, received, group)
+def permute(x: Tensor, perm: Sequence[int], recv_shape: Sequence[int], group: Group) -> Tensor:
+    """Send ``x`` to group rank ``perm[rank]``; return what the rank that maps here sent."""
+    if group.pg is None or perm[group.rank] == group.rank:
+        return x.clone()
+    source = list(perm).index(group.rank)
+    out = x.new_empty(tuple(recv_shape))
+    start_exchange([(x.contiguous(), perm[group.rank])], [(out, source)], group).wait()
+    return out
 
 
-def _exchange_by_pairs(sent: Sequence[Tensor], received: Sequence[Tensor], group: Group) -> None:
-    """Send ``sent[i]`` to group rank i and receive ``received[i]`` from it, all at once.
-
-    This rank's own pair is a local copy. The same bytes as gloo's all_gather and
-    all_to_all_single, which are slower: 2 ranks, (4096, 512) float32 all_gather over
-    loopback 8.2 ms against 9.3 ms (3 ranks: 15.4 ms against 18.8 ms). Not measured: large
-    groups across machines, where each rank's N - 1 concurrent flows meet a ring's two
-    neighbours; a ring all_gather would be the thing to try there.
-    """
-    ops = []
-    for peer in range(group.size):
-        if peer == group.rank:
-            received[peer].copy_(sent[peer])
-            continue
-        # A pair with nothing to move is skipped on both sides: the receiver's size for it
-        # equals the sender's (the handshake checked it).
-        if sent[peer].numel():
-            ops.append(p2p_op(dist.isend, sent[peer], peer, group))
-        if received[peer].numel():
-            ops.append(p2p_op(dist.irecv, received[peer], peer, group))
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-
-
-def p2p_op(op: Any, tensor: Tensor, peer: int, group: Group) -> dist.P2POp:
-    """One tagged point-to-point operation with group rank ``peer``."""
-    return dist.P2POp(op, tensor, group.global_rank(peer), group.pg, tag=P2P_TAG)
+# ---------------------------------------------------------------------------------------------
+# Collectives
 
 
 def all_reduce(x: Tensor, op: str, group: Group) -> Tensor:
     """Reduce ``x`` over ranks with ``op`` in sum, prod, max, min; every rank gets the result."""
     out = x.clone(memory_format=torch.contiguous_format)
-    if group.pg is not None:
-        dist.all_reduce(out, op=_TORCH_OPS[op], group=group.pg)
+    if group.pg is None:
+        return out
+    if group.is_nccl or out.is_complex():  # torch's wrapper says which ops take complex
+        work = dist.all_reduce(out, op=_TORCH_OPS[op], group=group.pg, async_op=True)
+    else:
+        work = group.pg.allreduce([out], _ALL_REDUCE_OPTIONS[op])
+    _finish(work, group)
     return out
 
 
@@ -211,7 +339,12 @@ def broadcast(x: Tensor, src: int, group: Group) -> Tensor:
         if group.rank == src
         else torch.empty_like(x, memory_format=torch.contiguous_format)
     )
-    dist.broadcast(out, src=group.global_rank(src), group=group.pg)
+    if group.is_nccl:
+        work = dist.broadcast(out, src=group.global_rank(src), group=group.pg, async_op=True)
+    else:
+        opts = _options(BroadcastOptions, rootRank=src, rootTensor=0)
+        work = group.pg.broadcast([_real(out)], opts)
+    _finish(work, group)
     return out
 
 
@@ -220,7 +353,14 @@ def reduce(x: Tensor, dst: int, group: Group) -> Tensor | None:
     out = x.clone(memory_format=torch.contiguous_format)
     if group.pg is None:
         return out
-    dist.reduce(out, dst=group.global_rank(dst), op=dist.ReduceOp.SUM, group=group.pg)
+    if group.is_nccl:
+        work = dist.reduce(
+            out, dst=group.global_rank(dst), op=dist.ReduceOp.SUM, group=group.pg, async_op=True
+        )
+    else:
+        opts = _options(ReduceOptions, rootRank=dst, rootTensor=0, reduceOp=dist.ReduceOp.SUM)
+        work = group.pg.reduce([_real(out)], opts)  # a complex sum is the sum of its parts
+    _finish(work, group)
     return out if group.rank == dst else None
 
 
@@ -230,12 +370,15 @@ def gather(x: Tensor, sizes: Sequence[int], dst: int, group: Group) -> Tensor | 
         return x.clone()
     width = max(sizes)
     send = _pad_rows(x, width)
-    if group.rank == dst:
-        out = send.new_empty((group.size * width, *x.shape[1:]))
-        dist.gather(send, list(out.chunk(group.size)), dst=group.global_rank(dst), group=group.pg)
-        return _trim_cat(out, sizes)
-    dist.gather(send, None, dst=group.global_rank(dst), group=group.pg)
-    return None
+    out = send.new_empty((group.size * width, *x.shape[1:])) if group.rank == dst else None
+    parts = list(out.chunk(group.size)) if out is not None else None
+    if group.is_nccl:
+        work = dist.gather(send, parts, dst=group.global_rank(dst), group=group.pg, async_op=True)
+    else:
+        outputs = [[_real(p) for p in parts]] if parts is not None else []
+        work = group.pg.gather(outputs, [_real(send)], _options(GatherOptions, rootRank=dst))
+    _finish(work, group)
+    return _trim_cat(out, sizes) if out is not None else None
 
 
 def scatter(
@@ -257,20 +400,10 @@ def scatter(
     if group.rank == src:
         assert x is not None
         chunks = [_pad_rows(part, width) for part in torch.split(x, list(sizes))]
-    dist.scatter(out, chunks, src=group.global_rank(src), group=group.pg)
+    if group.is_nccl:
+        work = dist.scatter(out, chunks, src=group.global_rank(src), group=group.pg, async_op=True)
+    else:
+        inputs = [[_real(c) for c in chunks]] if chunks is not None else []
+        work = group.pg.scatter([_real(out)], inputs, _options(ScatterOptions, rootRank=src))
+    _finish(work, group)
     return out[: sizes[group.rank]]
-
-
-def permute(x: Tensor, perm: Sequence[int], recv_shape: Sequence[int], group: Group) -> Tensor:
-    """Send ``x`` to group rank ``perm[rank]``; return what the rank that maps here sent."""
-    if group.pg is None or perm[group.rank] == group.rank:
-        return x.clone()
-    source = list(perm).index(group.rank)
-    out = x.new_empty(tuple(recv_shape))
-    ops = [
-        p2p_op(dist.isend, x.contiguous(), perm[group.rank], group),
-        p2p_op(dist.irecv, out, source, group),
-    ]
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
-    return out

@@ -317,16 +317,8 @@ def exchange(
         if problem is not None:
             raise CollectiveArgumentError(f"{desc} on rank {group.rank}: {problem}")
         return [_decode(group.rank, mine, 1)]
-    try:
-        rows = _comm.share(mine, group)
-    except RuntimeError as exc:
-        # Typically a peer exited, crashed or never made this call: say where we were waiting.
-        exc.args = (
-            f"{exc.args[0] if exc.args else exc}\n[distgrad] rank {group.rank} was waiting for "
-            f"its peers at the start of {desc}: a peer skipped this call, failed or exited early",
-            *exc.args[1:],
-        )
-        raise
+    # A peer that exited, crashed or never makes this call: the error says where we waited.
+    rows = _comm.share(mine, group, desc)
     if any(row[0] != _MAGIC for row in rows):
         raise CollectiveMismatchError(
             f"{desc} on rank {group.rank}: some ranks are not inside a distgrad collective at "

@@ -20,6 +20,8 @@ exchange, so its peers learn of the problem instead of waiting for it.
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "CheckArgumentError",
     "CollectiveArgumentError",
@@ -68,8 +70,13 @@ class GradientMismatchError(DistgradError):
 class RankFailedError(DistgradError):
     """One or more ranks started by :func:`distgrad.testing.run_on_ranks` failed or timed out.
 
-    The message holds every failing rank's traceback, the earliest failure first.
+    The message holds every failing rank's traceback, the earliest failure first; ``results``
+    maps each rank whose function returned to its value.
     """
+
+    def __init__(self, message: str, results: dict[int, Any] | None = None) -> None:
+        super().__init__(message)
+        self.results: dict[int, Any] = dict(results or {})
 
 
 class RpcAutogradError(DistgradError, RuntimeError):

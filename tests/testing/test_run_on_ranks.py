@@ -85,6 +85,27 @@ def test_a_peer_waiting_in_a_collective_is_ended_within_the_grace_period() -> No
     assert time.monotonic() - start < 8
 
 
+def _rank_1_fails_late_rank_0_returns(rank: int, world_size: int, delay: float) -> str:
+    if rank == 1:
+        raise RuntimeError("rank 1 fails first")
+    time.sleep(delay)  # reports this long after its peer failed
+    return "rank 0's view"
+
+
+def test_survivors_results_come_back_within_the_grace_period_given() -> None:
+    with pytest.raises(RankFailedError) as info:
+        run_on_ranks(_rank_1_fails_late_rank_0_returns, 2, args=(3.0,), timeout=30, grace=6.0)
+    assert info.value.results == {0: "rank 0's view"}
+    start = time.monotonic()
+    with pytest.raises(RankFailedError) as info:  # the default grace: 2 s, then killed
+        run_on_ranks(_rank_1_fails_late_rank_0_returns, 2, args=(10.0,), timeout=30)
+    assert info.value.results == {}
+    assert "--- rank 0: killed: it was still running after another rank had failed" in str(
+        info.value
+    )
+    assert time.monotonic() - start < 8
+
+
 def _finish_first_on_rank_0(rank: int, world_size: int, folder: str) -> bool:
     if rank == 0:
         with open(os.path.join(folder, "pid0"), "w") as f:
@@ -126,6 +147,8 @@ def test_bad_arguments_are_rejected_before_starting_anything() -> None:
         run_on_ranks(_is_initialized, 1, timeout=0)
     with pytest.raises(ValueError, match="init must be"):
         run_on_ranks(_is_initialized, 1, init="mpi")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="grace must not be negative"):
+        run_on_ranks(_is_initialized, 1, grace=-1)
 
 
 def _rpc_round_trip(rank: int, world_size: int) -> float:

@@ -44,6 +44,7 @@ from distgrad._meta import (
     require_same,
     show,
 )
+from distgrad._wait import note_call
 from distgrad.errors import CollectiveArgumentError, CollectiveMismatchError
 
 __all__ = [
@@ -159,6 +160,7 @@ class Signature:
                 raise CollectiveArgumentError(f"{desc} on rank {group.rank}: {problem}")
             return group, None
         call = _next_call(group)
+        note_call(desc, call, group)  # for the error if a peer fails during this call
         if group.size > 1 and debug_enabled():
             group = replace(group, call=call)
         if sizes_known and call >= CHECKED_CALLS and not debug_enabled():

@@ -35,7 +35,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
@@ -69,19 +68,12 @@ class _Plan:
         return _Plan(_ops.group_named(group), tuple(rows), block, kind, mask_self)
 
 
-def _shift(x: Tensor, g: Group) -> tuple[Tensor, list[Any]]:
-    """Start sending ``x`` to the next rank of the ring; return the receive buffer and works."""
+def _shift(x: Tensor, g: Group) -> tuple[Tensor, _comm.Exchange]:
+    """Start sending ``x`` to the next rank of the ring; return the receive buffer and the
+    exchange in flight (its ``wait`` names a peer that dies meanwhile)."""
     out = torch.empty_like(x)
-    ops = [
-        _comm.p2p_op(dist.isend, x, (g.rank + 1) % g.size, g),
-        _comm.p2p_op(dist.irecv, out, (g.rank - 1) % g.size, g),
-    ]
-    return out, dist.batch_isend_irecv(ops)
-
-
-def _wait(works: list[Any]) -> None:
-    for work in works:
-        work.wait()
+    after, before = (g.rank + 1) % g.size, (g.rank - 1) % g.size
+    return out, _comm.start_exchange([(x, after)], [(out, before)], g)
 
 
 def _chunk_logits(a: Tensor, k: Tensor, scale: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
@@ -114,10 +106,11 @@ def _reduce_forward(a: Tensor, k: Tensor, scale: Tensor, bias: Tensor, plan: _Pl
     cur = F.pad(k, (0, 0, 0, width - k.shape[0]))  # [M, D]
     out = a.new_full((a.shape[0],), float("-inf") if plan.kind == "lse" else 0.0)
     for step in range(g.size):
-        nxt, works = _shift(cur, g) if step < g.size - 1 else (cur, [])
+        nxt, pending = _shift(cur, g) if step < g.size - 1 else (cur, None)
         part = _forward_block(a, cur[: plan.rows[plan.source(step)]], scale, bias, plan, step == 0)
         out = torch.logaddexp(out, part) if plan.kind == "lse" else out + part
-        _wait(works)
+        if pending is not None:
+            pending.wait()
         cur = nxt
     return out
 
@@ -149,8 +142,9 @@ def _reduce_backward(
             acc[start : start + plan.block].addmm_(w.T, a)
         last = step == g.size - 1
         send = cur[:, dim:].contiguous() if last else cur
-        nxt, works = _shift(send, g) if g.size > 1 else (send, [])
-        _wait(works)
+        nxt, pending = _shift(send, g) if g.size > 1 else (send, None)
+        if pending is not None:
+            pending.wait()
         cur = nxt
     return da, cur[: k.shape[0], -dim:].contiguous(), ds, db
 
@@ -211,8 +205,8 @@ def _send_on(x: Tensor, g: Group) -> Tensor:
     """Shift ``x`` one rank along the ring and wait (the payload was just updated)."""
     if g.size == 1:
         return x
-    out, works = _shift(x.contiguous(), g)
-    _wait(works)
+    out, pending = _shift(x.contiguous(), g)
+    pending.wait()
     return out
 
 

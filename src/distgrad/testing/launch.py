@@ -43,7 +43,7 @@ __all__ = ["run_on_ranks"]
 
 Init = Literal["process_group", "rpc", "none"]
 
-_GRACE_S = 2.0  # after the first failure, how long peers may still report before being killed
+_GRACE_S = 2.0  # default: after the first failure, how long peers may report before being killed
 _LEAVE_GRACE_S = 2.0  # how long a finished rank waits for its peers to finish before leaving
 # torch.autograd imports symbolic_shapes lazily the first time a backward is given explicit
 # gradients (about 1.3 s); every distributed backward over RPC does that on each worker.
@@ -99,6 +99,7 @@ def run_on_ranks(
     args: Sequence[Any] = (),
     timeout: float = 60.0,
     collective_timeout: float | None = None,
+    grace: float = _GRACE_S,
     backend: str = "gloo",
     init: Init = "process_group",
 ) -> list[Any]:
@@ -115,16 +116,21 @@ def run_on_ranks(
     seconds at most.
 
     Raises :class:`~distgrad.errors.RankFailedError` if any rank raises, dies or runs past
-    ``timeout`` seconds. Its message lists every failing rank's traceback, earliest first; the
-    other ranks are killed at most two seconds after the first failure. A rank blocked in a
-    collective whose peer is gone fails after ``collective_timeout`` seconds (default: a third of
-    ``timeout``); a rank hung anywhere else prints its stack and exits shortly before ``timeout``.
+    ``timeout`` seconds. Its message lists every failing rank's traceback, earliest first, and
+    its ``results`` holds the values of the ranks that returned (a rank reports its value as
+    soon as its ``fn`` returns); the other ranks are killed ``grace`` seconds (default 2) after
+    the first failure: a test of what survivors see when a peer dies or never comes gives them
+    ``collective_timeout`` plus a margin. A rank blocked in a collective whose peer is gone
+    fails after ``collective_timeout`` seconds (default: a third of ``timeout``); a rank hung
+    anywhere else prints its stack and exits shortly before ``timeout``.
     Processes are always reaped and the rendezvous folder removed.
     """
     if world_size < 1:
         raise ValueError(f"run_on_ranks: world_size must be at least 1, got {world_size}")
     if timeout <= 0:
         raise ValueError(f"run_on_ranks: timeout must be positive, got {timeout}")
+    if grace < 0:
+        raise ValueError(f"run_on_ranks: grace must not be negative, got {grace}")
     if init not in ("process_group", "rpc", "none"):
         raise ValueError(
             f"run_on_ranks: init must be 'process_group', 'rpc' or 'none', got {init!r}"
@@ -134,6 +140,7 @@ def run_on_ranks(
     rendezvous_dir = tempfile.mkdtemp(prefix="distgrad-rdzv-")
     processes: list[Any] = []
     receivers: list[multiprocessing.connection.Connection] = []
+    outcomes: dict[int, _Outcome] = {}
     try:
         for rank in range(world_size):
             spec = _RankSpec(
@@ -154,15 +161,18 @@ def run_on_ranks(
             processes.append(proc)
             receivers.append(receiver)
         hang_after = time.monotonic() + max(timeout - 3.0, timeout * 0.8)
-        outcomes = _collect(processes, receivers, time.monotonic() + timeout, hang_after)
+        outcomes = _collect(processes, receivers, time.monotonic() + timeout, hang_after, grace)
     finally:
-        _reap(processes)
+        # Ranks that all reported are leaving together (at most _LEAVE_GRACE_S): let them.
+        clean = len(outcomes) == world_size and all(o.ok for o in outcomes.values())
+        _reap(processes, _LEAVE_GRACE_S + 3.0 if clean else 0.0)
         for receiver in receivers:
             receiver.close()
         shutil.rmtree(rendezvous_dir, ignore_errors=True)
     failures = [o for o in outcomes.values() if not o.ok]
     if failures:
-        raise RankFailedError(_failure_message(fn, world_size, failures))
+        results = {o.rank: o.value for o in outcomes.values() if o.ok}
+        raise RankFailedError(_failure_message(fn, world_size, failures), results)
     return [outcomes[rank].value for rank in range(world_size)]
 
 
@@ -171,6 +181,7 @@ def _collect(
     receivers: list[multiprocessing.connection.Connection],
     deadline: float,
     hang_after: float,
+    grace: float,
 ) -> dict[int, _Outcome]:
     """Wait for every rank's outcome, never past ``deadline`` nor long past the first failure."""
     outcomes: dict[int, _Outcome] = {}
@@ -178,7 +189,7 @@ def _collect(
     failed_at: float | None = None
     while pending:
         now = time.monotonic()
-        stop = deadline if failed_at is None else min(deadline, failed_at + _GRACE_S)
+        stop = deadline if failed_at is None else min(deadline, failed_at + grace)
         if now >= stop:
             break
         ready = multiprocessing.connection.wait(list(pending.values()), timeout=stop - now)
@@ -217,8 +228,11 @@ def _receive(conn: Any, rank: int, proc: Any, hang_after: float) -> _Outcome:
         return _Outcome(rank=rank, ok=False, when=time.time(), summary=summary)
 
 
-def _reap(processes: list[Any]) -> None:
+def _reap(processes: list[Any], leave_s: float) -> None:
+    """Give the processes ``leave_s`` seconds to exit, then kill what is left and reap all."""
+    deadline = time.monotonic() + leave_s
     for proc in processes:
+        proc.join(timeout=max(0.0, deadline - time.monotonic()))
         if proc.is_alive():
             proc.kill()
     for proc in processes:
@@ -262,6 +276,9 @@ def _rank_main(
             raise TypeError(
                 f"the value returned on rank {spec.rank} does not pickle: {exc}"
             ) from exc
+        # Report before leaving: leaving waits for peers, and a peer that died (a fault
+        # injected on purpose) would make the parent kill this rank before its report.
+        sender.send_bytes(payload)
         _leave(spec, store)
     except BaseException as exc:
         when = time.time()
@@ -272,12 +289,12 @@ def _rank_main(
         payload = pickle.dumps(outcome)
         # Report first, then leave without tearing down the group: a teardown could block on
         # peers that are themselves stuck.
-        sender.send_bytes(payload)
+        with contextlib.suppress(OSError):  # the report may be out already
+            sender.send_bytes(payload)
         sender.close()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)
-    sender.send_bytes(payload)
     sender.close()
     faulthandler.cancel_dump_traceback_later()
 

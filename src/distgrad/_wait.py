@@ -1,0 +1,447 @@
+"""How a rank waits for an exchange: a dead peer is an error within tens of milliseconds, and a
+peer that never comes is a timeout that says which op, which pass, and what the peers were doing.
+
+Why this is needed (gloo in torch 2.13, measured on loopback): when a peer's connection closes,
+gloo fails every send and receive still *pending* on that pair, but not one already moving bytes
+(a send half written, a receive half read): ``Pair::signalException`` walks the pair's pending
+lists, not the unbound buffer of the operation in flight. A wait on that operation lasts the
+process group's whole timeout, and a timed wait on a point-to-point operation that expires closes
+every connection of the group. A peer SIGKILLed during 32 MB point-to-point exchanges left the
+survivor waiting the full timeout in 6 of 14 trials (4 MB: 4 of 20, all of them sends; 1 MB: 0 of
+20); during torch's own all_gather collective, in 1 of 14.
+
+So distgrad never blocks on such an operation without a way out:
+
+* **Collectives** (all_reduce, broadcast, gather, ... on gloo) run asynchronously and are waited
+  for in ticks of :data:`TICK_S`; a wait that expires only returns (gloo's worker thread keeps
+  going), so the group is not harmed.
+* **Point-to-point exchanges** whose largest message exceeds :data:`INLINE_BYTES` are waited for
+  by a helper thread while this thread waits, in ticks, for the helper. Smaller messages fit the
+  socket buffers whole (gloo sizes them to the message) and were never seen in flight; they are
+  waited for inline, which keeps small exchanges at their old cost (a helper thread costs about
+  0.1 ms, 20% of a 128 KB exchange on 2 busy cores).
+* At a wait's first tick, every peer of the group gets a **sentinel**: a receive on a tag nobody
+  sends on, which gloo fails as soon as that peer's connection closes. Posting it on a connection
+  already closed fails at once; otherwise a thread waits on it. Each later tick reads the
+  sentinels, so a dead peer is named within a tick or two even when the operation in flight
+  would wait forever. Sentinels (one pending receive and one thread per peer) are made only for
+  groups where some wait lasted a tick, and live as long as the process.
+
+When an exchange fails, the error keeps gloo's own type and text and starts with distgrad's
+account: which rank, which op, which pass, which peer. On a timeout, every rank that times out
+inside distgrad writes what it was waiting in to the default store, and reads what its peers
+wrote there, so the message can say, as far as the store can tell, whether a peer was waiting in
+another call (a skipped call, another group) or in none at all.
+A wait that lasts :data:`_NOTE_AFTER_S` also writes what it waits in (and clears it when it
+ends), so a peer whose own timeout is longer is named as waiting too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import queue
+import re
+import threading
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from distgrad._group import Group
+
+__all__ = [
+    "INLINE_BYTES",
+    "SENTINEL_TAG",
+    "TICK_S",
+    "activity",
+    "annotate",
+    "note_call",
+    "wait_collective",
+    "wait_pairs",
+]
+
+TICK_S = 0.02
+"""How often a waiting rank looks at its peers' connections (seconds)."""
+
+INLINE_BYTES = 256 * 1024
+"""Point-to-point messages up to this size are waited for inline (see the module docstring)."""
+
+SENTINEL_TAG = 0x64670001
+"""The point-to-point tag of the sentinels ("dg", 1): distgrad never sends on it; nor may users."""
+
+_TICK = timedelta(seconds=TICK_S)
+_FOREVER = timedelta(days=365)
+_REPORT_WAIT_S = 1.0  # after a timeout, how long to wait for the peers' own reports
+_RECENT_S = 5.0  # a peer's report counts if written this recently
+_NOTE_AFTER_S = 1.0  # a wait this long says in the store what it waits in, until it ends
+
+
+# ---------------------------------------------------------------------------------------------
+# What this rank is doing, for messages. Recording costs one assignment per call.
+
+_last_forward: tuple[str, int, tuple[int, str]] = ("a distgrad collective", -1, (0, ""))
+
+
+def note_call(desc: str, call: int, group: Group) -> None:
+    """Record the forward call this rank is making (``call``: its number on ``group``)."""
+    global _last_forward
+    _last_forward = (desc, call, (id(group.pg), group.name))
+
+
+def activity(group: Group) -> str:
+    """What this rank is doing: 'the forward of all_gather(dim=0) (its distgrad call 3 on the
+    group)', or 'the backward of all_gather' while an autograd backward runs."""
+    node = torch._C._current_autograd_node()
+    if node is None:
+        desc, call, key = _last_forward
+        text = f"the forward of {desc}"
+        if call >= 0 and key == (id(group.pg), group.name):
+            text += f" (its distgrad call {call + 1} on the group)"
+        return text
+    text = f"the backward of {_op_of(node)}"
+    plan = getattr(node, "plan", None)
+    call = getattr(getattr(plan, "group", None), "call", -1)
+    if isinstance(call, int) and call >= 0:  # debug mode numbers the forward calls
+        text += f" (of its distgrad call {call + 1} on the group)"
+    return text
+
+
+def _op_of(node: Any) -> str:
+    """'_AllGatherBackward' -> 'all_gather'; '_ReduceScatterSumBackward' -> 'reduce_scatter'."""
+    name = type(node).__name__.removesuffix("Backward").lstrip("_")
+    snake = re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+    return snake.removesuffix("_sum") or "a distgrad collective"
+
+
+# ---------------------------------------------------------------------------------------------
+# Sentinels: one receive per (group, peer) that gloo fails when the peer's connection closes.
+
+
+class _Sentinel:
+    def __init__(self, group: Group, peer: int) -> None:
+        self.error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        assert group.pg is not None
+        # Held so that the group's id, this sentinel's key, is never reused by a new group.
+        self.pg = group.pg
+        try:
+            # One byte that nobody ever sends: the receive stays pending for the process's life.
+            work = group.pg.recv([torch.empty(1, dtype=torch.uint8)], peer, SENTINEL_TAG)
+        except RuntimeError as exc:  # the connection is closed already
+            self.error = exc
+            return
+        self._thread = threading.Thread(
+            target=self._watch, args=(work,), name=f"distgrad-sentinel-{peer}", daemon=True
+        )
+        self._thread.start()
+
+    def _watch(self, work: Any) -> None:
+        try:
+            work.wait(_FOREVER)
+        except BaseException as exc:
+            self.error = exc
+
+    def lost(self, settle_s: float = 0.0) -> BaseException | None:
+        """The error that closed this peer's connection, if it closed (not a timeout)."""
+        if self.error is None and settle_s and self._thread is not None:
+            self._thread.join(settle_s)  # gloo may have failed it a moment ago
+        error = self.error
+        return error if error is not None and not is_timeout(error) else None
+
+
+_sentinels: dict[tuple[int, str, int], _Sentinel] = {}
+_sentinel_lock = threading.Lock()
+
+
+def _dead_peer(
+    group: Group, peers: Sequence[int], settle_s: float = 0.0
+) -> tuple[int, BaseException] | None:
+    """The first of ``peers`` whose connection is closed, making sentinels where missing."""
+    if group.pg is None or group.is_nccl:
+        return None
+    for peer in peers:
+        key = (id(group.pg), group.name, peer)
+        with _sentinel_lock:
+            sentinel = _sentinels.get(key)
+            if sentinel is None:
+                sentinel = _sentinels[key] = _Sentinel(group, peer)
+        error = sentinel.lost(settle_s)
+        if error is not None:
+            return peer, error
+    return None
+
+
+def is_timeout(error: BaseException) -> bool:
+    """Whether a backend error is a timeout (as opposed to a connection that closed)."""
+    text = str(error).lower()
+    return "timed out" in text or "timeout" in text
+
+
+# ---------------------------------------------------------------------------------------------
+# Waiting.
+
+
+def _others(group: Group) -> list[int]:
+    return [r for r in range(group.size) if r != group.rank]
+
+
+def wait_collective(
+    work: Any, group: Group, what: str | None = None, doing: str | None = None
+) -> None:
+    """Wait for a collective started with ``async_op=True`` on a gloo group, in ticks;
+    ``what`` and ``doing`` describe the call in errors (:func:`annotate`)."""
+    start = time.monotonic()
+    note = _LongWait(group, what, start)
+    try:
+        while True:
+            try:
+                work.wait(_TICK)
+                return
+            except RuntimeError as exc:
+                if work.is_completed():  # its own error, or it finished as the tick expired
+                    try:
+                        work.wait()
+                        return
+                    except RuntimeError as real:
+                        raise annotate(real, group, _others(group), start, what, doing) from None
+                tick_error = exc
+            dead = _dead_peer(group, _others(group))
+            if dead is not None:
+                error = _fresh(dead[1])
+                raise annotate(error, group, [dead[0]], start, what, doing) from tick_error
+            note.tick()
+    finally:
+        note.end()
+
+
+def wait_pairs(works: Sequence[Any], peers: Sequence[int], group: Group, largest: int) -> None:
+    """Wait for point-to-point works; ``peers[i]`` is the group rank ``works[i]`` talks to and
+    ``largest`` the largest message in bytes."""
+    start = time.monotonic()
+    if largest <= INLINE_BYTES or group.is_nccl:
+        for work, peer in zip(works, peers, strict=True):
+            try:
+                work.wait()
+            except RuntimeError as exc:
+                raise annotate(exc, group, [peer], start) from None
+        return
+    job = _Job(works)
+    _submit(job)
+    note = _LongWait(group, None, start)
+    try:
+        while not job.done.wait(TICK_S):
+            dead = _dead_peer(group, sorted(set(peers)))
+            if dead is not None:
+                raise annotate(_fresh(dead[1]), group, [dead[0]], start) from None
+            note.tick()
+    finally:
+        note.end()
+    if job.error is not None:
+        raise annotate(job.error, group, [peers[job.failed]], start) from None
+
+
+def _fresh(error: BaseException) -> BaseException:
+    """A new exception with ``error``'s type and text (the sentinel's is raised in its thread)."""
+    try:
+        return type(error)(str(error))
+    except Exception:
+        return RuntimeError(str(error))
+
+
+class _Job:
+    def __init__(self, works: Sequence[Any]) -> None:
+        self.works = works
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+        self.failed = 0
+
+
+# Idle helper threads. A helper stuck on a dead peer's operation stays busy until gloo's timeout
+# releases it, so a new exchange takes another helper rather than queueing behind it.
+_idle: list[_Helper] = []
+_idle_lock = threading.Lock()
+
+
+class _Helper(threading.Thread):
+    def __init__(self) -> None:
+        super().__init__(name="distgrad-wait", daemon=True)
+        self.jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
+
+    def run(self) -> None:
+        while True:
+            job = self.jobs.get()
+            for i, work in enumerate(job.works):
+                try:
+                    work.wait()
+                except BaseException as exc:
+                    job.error, job.failed = exc, i
+                    break
+            job.done.set()
+            with _idle_lock:
+                _idle.append(self)
+
+
+def _submit(job: _Job) -> None:
+    with _idle_lock:
+        helper = _idle.pop() if _idle else None
+    if helper is None:
+        helper = _Helper()
+        helper.start()
+    helper.jobs.put(job)
+
+
+class _LongWait:
+    """Says in the default store what this rank waits in once a wait has lasted
+    :data:`_NOTE_AFTER_S`, and that it stopped when it ends: a peer that times out meanwhile
+    (its own timeout may be shorter) can then say where this rank is. One store write at the
+    start of a long wait and one at its end; nothing for a short one."""
+
+    __slots__ = ("_group", "_noted", "_start", "_what")
+
+    def __init__(self, group: Group, what: str | None, start: float) -> None:
+        self._group, self._what, self._start, self._noted = group, what, start, False
+
+    def tick(self) -> None:
+        if not self._noted and time.monotonic() - self._start > _NOTE_AFTER_S:
+            self._noted = True
+            what = self._what or activity(self._group)
+            _write_report(self._group, "waiting", f"waiting in {what}")
+
+    def end(self) -> None:
+        if self._noted:
+            _write_report(self._group, "waiting", "")
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors.
+
+
+def annotate(
+    error: BaseException,
+    group: Group,
+    peers: Sequence[int],
+    start: float,
+    what: str | None = None,
+    doing: str | None = None,
+) -> BaseException:
+    """``error`` (the backend's), with distgrad's account of it first: this rank, what it was
+    doing, and which peer closed its connection or, on a timeout, what the store knows of the
+    peers. ``what`` names the activity (default :func:`activity`); ``doing`` says it after
+    'rank r' (default 'was in <what>'). Returns ``error`` itself, to be raised."""
+    what = what or activity(group)
+    doing = doing or f"was in {what}"
+    waited = time.monotonic() - start
+    if is_timeout(error):
+        account = _timeout_account(group, peers, doing, what, waited)
+    else:
+        if len(peers) != 1:  # a collective: find the peer by its connection
+            dead = _dead_peer(group, peers, settle_s=0.05)
+            peers = [dead[0]] if dead is not None else peers
+        who = f"rank {peers[0]}" if len(peers) == 1 else "a peer"
+        account = (
+            f"distgrad: rank {group.rank} {doing} when its connection to {who} closed, "
+            f"{waited:.2f} s into the wait: {who} exited or crashed (its own log says why); "
+            "this group cannot be used any more"
+        )
+    original = str(error.args[0]) if error.args else str(error)
+    error.args = (f"{account}\n[from {_backend(group)}] {original}", *error.args[1:])
+    return error
+
+
+def _backend(group: Group) -> str:
+    return "nccl" if group.is_nccl else "gloo"
+
+
+def _timeout_account(
+    group: Group, peers: Sequence[int], doing: str, what: str, waited: float
+) -> str:
+    wanted = ", ".join(f"rank {p}" for p in peers) or "its peers"
+    head = (
+        f"distgrad: rank {group.rank} {doing} and timed out after {waited:.1f} s waiting for "
+        f"{wanted}"
+    )
+    reports = _exchange_reports(group, peers, f"timed out in {what}")
+    if reports is None:
+        return head + " (the store could not be read to say what the peers were doing)"
+    lines = []
+    for peer in peers:
+        report = reports.get(peer)
+        if report is None:
+            lines.append(
+                f"rank {peer} reported no timeout of its own: it is not waiting inside "
+                "distgrad (it skipped this call, for example its backward, or it is busy or "
+                "stuck outside distgrad)"
+            )
+        else:
+            lines.append(f"rank {peer} {report}")
+    return (
+        f"{head}. As far as the store can tell: " + "; ".join(lines) + ". Every rank must make "
+        "the same distgrad calls in the same order on the same group (DISTGRAD_DEBUG=1 checks "
+        "every call)"
+    )
+
+
+def _store() -> Any:
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # no default group, or torch moved its private helper
+        return None
+
+
+def _write_report(group: Group, kind: str, what: str) -> None:
+    """Store ``what`` this rank is doing under ``distgrad/<kind>/<global rank>`` ("" clears)."""
+    store = _store()
+    if store is None or group.pg is None:
+        return
+    where = f"{what}, on the group of global ranks {_global_ranks(group)}" if what else ""
+    with contextlib.suppress(Exception):  # the store is gone too: the message says less
+        store.set(
+            f"distgrad/{kind}/{dist.get_rank()}", json.dumps({"time": time.time(), "what": where})
+        )
+
+
+def _read_report(store: Any, kind: str, global_rank: int) -> tuple[float, str] | None:
+    name = f"distgrad/{kind}/{global_rank}"
+    if not store.check([name]):
+        return None
+    report = json.loads(store.get(name))
+    return float(report["time"]), str(report["what"])
+
+
+def _exchange_reports(group: Group, peers: Sequence[int], mine: str) -> dict[int, str] | None:
+    """Write this rank's report to the default store; read its peers' (by group rank): a
+    recent timeout of theirs, or a long wait they are still in."""
+    store = _store()
+    if store is None or group.pg is None:
+        return None
+    _write_report(group, "timeout", mine)
+    try:
+        found: dict[int, str] = {}
+        deadline = time.monotonic() + _REPORT_WAIT_S
+        while True:
+            for peer in peers:
+                if peer in found:
+                    continue
+                report = _read_report(store, "timeout", group.global_rank(peer))
+                if report is not None and abs(time.time() - report[0]) < _RECENT_S:
+                    found[peer] = report[1]
+            if len(found) == len(peers) or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        for peer in peers:
+            waiting = (
+                None if peer in found else _read_report(store, "waiting", group.global_rank(peer))
+            )
+            if waiting is not None and waiting[1]:
+                found[peer] = f"is {waiting[1]} (for {time.time() - waiting[0]:.1f} s)"
+        return found
+    except Exception:  # the store is gone too
+        return None
+
+
+def _global_ranks(group: Group) -> str:
+    return ", ".join(str(group.global_rank(r)) for r in range(group.size))
