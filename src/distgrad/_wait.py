@@ -198,21 +198,25 @@ def wait_collective(
     note = _LongWait(group, what, start)
     try:
         while True:
+            # The expired tick's exception is not kept: its traceback would hold this frame,
+            # and with it ``work`` and the output tensor it references, until the garbage
+            # collector runs; AccumulateGrad then copies a gradient whose memory something
+            # else holds (measured: a 64 MB all_reduce backward 205-220 ms against 138 ms).
             try:
                 work.wait(_TICK)
                 return
-            except RuntimeError as exc:
-                if work.is_completed():  # its own error, or it finished as the tick expired
-                    try:
-                        work.wait()
-                        return
-                    except RuntimeError as real:
-                        raise annotate(real, group, _others(group), start, what, doing) from None
-                tick_error = exc
+            except RuntimeError:
+                pass
+            if work.is_completed():  # its own error, or it finished as the tick expired
+                try:
+                    work.wait()
+                    return
+                except RuntimeError as real:
+                    raise annotate(real, group, _others(group), start, what, doing) from None
             dead = _dead_peer(group, _others(group))
             if dead is not None:
                 error = _fresh(dead[1])
-                raise annotate(error, group, [dead[0]], start, what, doing) from tick_error
+                raise annotate(error, group, [dead[0]], start, what, doing) from None
             note.tick()
     finally:
         note.end()
@@ -273,7 +277,8 @@ class _Helper(threading.Thread):
 
     def run(self) -> None:
         while True:
-            job = self.jobs.get()
+            job: _Job | None = self.jobs.get()
+            assert job is not None
             for i, work in enumerate(job.works):
                 try:
                     work.wait()
@@ -281,6 +286,8 @@ class _Helper(threading.Thread):
                     job.error, job.failed = exc, i
                     break
             job.done.set()
+            # Drop the works (and the tensors they hold) now, not when the next job comes.
+            job = work = None
             with _idle_lock:
                 _idle.append(self)
 
