@@ -142,13 +142,9 @@ def _finish(work: Any, group: Group, what: str | None = None, doing: str | None 
         try:
             work.wait()
         except RuntimeError as exc:
-            raise _wait.annotate(exc, group, _peers(group), start, what, doing) from None
+            raise _wait.annotate(exc, group, _wait.others(group), start, what, doing) from None
     else:
         _wait.wait_collective(work, group, what, doing)
-
-
-def _peers(group: Group) -> list[int]:
-    return [r for r in range(group.size) if r != group.rank]
 
 
 def _real(x: Tensor) -> Tensor:

@@ -60,6 +60,7 @@ __all__ = [
     "activity",
     "annotate",
     "note_call",
+    "others",
     "wait_collective",
     "wait_pairs",
 ]
@@ -185,7 +186,8 @@ def is_timeout(error: BaseException) -> bool:
 # Waiting.
 
 
-def _others(group: Group) -> list[int]:
+def others(group: Group) -> list[int]:
+    """Every group rank but this one."""
     return [r for r in range(group.size) if r != group.rank]
 
 
@@ -212,8 +214,8 @@ def wait_collective(
                     work.wait()
                     return
                 except RuntimeError as real:
-                    raise annotate(real, group, _others(group), start, what, doing) from None
-            dead = _dead_peer(group, _others(group))
+                    raise annotate(real, group, others(group), start, what, doing) from None
+            dead = _dead_peer(group, others(group))
             if dead is not None:
                 error = _fresh(dead[1])
                 raise annotate(error, group, [dead[0]], start, what, doing) from None
