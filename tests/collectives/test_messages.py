@@ -2,10 +2,11 @@
 
 Counted, not timed: the torch profiler records every torch.distributed operation a rank runs
 (``c10d::...`` events), in the forward and in the backward pass, on 2 gloo ranks after the
-calls that are checked across ranks. Each op's counts are pinned below. On gloo, all_gather and
-all_to_all run as concurrent point-to-point pairs (one send and one receive per peer), so
-"send 1, recv 1" on 2 ranks is one all_gather or one all_to_all; a metadata exchange is a
-``_allgather_base_``.
+calls that are checked across ranks. Each op's counts are pinned below. On gloo, all_to_all
+runs as concurrent point-to-point pairs (one send and one receive per peer), so "send 1,
+recv 1" on 2 ranks is one all_to_all. Below 256 KB per rank (the (4, 3) cases) all_gather is
+gloo's own and a reduce-scatter an all_reduce and a slice; from 256 KB (the "256 KB" cases)
+both are pairs. A metadata exchange is an ``_allgather_base_`` of int64.
 
 Not counted: the dead-peer watch's sentinel, a receive posted once per peer for the life of the
 group when some wait first lasts a tick (``distgrad._wait``). It is made before counting, so
@@ -29,7 +30,14 @@ from distgrad.testing import run_on_ranks
 from tests.collectives.reference import warm_up
 
 PAIR = {"send": 1, "recv_": 1}  # one exchange by point-to-point pairs, on 2 ranks
-TWO_PAIRS = {"send": 2, "recv_": 2}
+AG = {"_allgather_base_": 1}  # gloo's all_gather (a small one)
+RS = {"allreduce_": 1}  # a small reduce-scatter on gloo: an all_reduce, then a slice
+BIG_ROWS = 8192  # (8192, 4) float64: 256 KB per rank, where all_gather goes back to pairs
+
+
+def _big(x: Tensor) -> Tensor:
+    """A leaf of 256 KB per rank (``x`` only gives the dtype)."""
+    return x.new_ones((BIG_ROWS, 4)).requires_grad_()
 
 
 def _cases(rank: int) -> dict[str, Callable[[Tensor], Tensor]]:
@@ -38,6 +46,8 @@ def _cases(rank: int) -> dict[str, Callable[[Tensor], Tensor]]:
         "all_gather, sizes given": lambda x: dg.all_gather(x, sizes=[4] * n),
         "all_gather, sizes learned": lambda x: dg.all_gather(x),
         "reduce_scatter": lambda x: dg.reduce_scatter(x),
+        "all_gather, sizes given, 256 KB": lambda x: dg.all_gather(_big(x), sizes=[BIG_ROWS] * n),
+        "reduce_scatter, 256 KB": lambda x: dg.reduce_scatter(_big(x).repeat(n, 1)),
         "all_reduce sum": lambda x: dg.all_reduce(x),
         "all_reduce avg": lambda x: dg.all_reduce(x, "avg"),
         "all_reduce max": lambda x: dg.all_reduce(x, "max"),
@@ -61,13 +71,16 @@ def _cases(rank: int) -> dict[str, Callable[[Tensor], Tensor]]:
 
 
 EXPECTED: dict[str, tuple[dict[str, int], dict[str, int]]] = {  # (forward, backward)
-    "all_gather, sizes given": (PAIR, PAIR),
-    "all_gather, sizes learned": ({"_allgather_base_": 1, **PAIR}, PAIR),
-    "reduce_scatter": (PAIR, PAIR),
+    "all_gather, sizes given": (AG, RS),
+    "all_gather, sizes learned": ({"_allgather_base_": 2}, RS),  # the sizes, then the data
+    "reduce_scatter": (RS, AG),
+    "all_gather, sizes given, 256 KB": (PAIR, PAIR),
+    "reduce_scatter, 256 KB": (PAIR, PAIR),
     "all_reduce sum": ({"allreduce_": 1}, {"allreduce_": 1}),
     "all_reduce avg": ({"allreduce_": 1}, {"allreduce_": 1}),
-    "all_reduce max": (TWO_PAIRS, TWO_PAIRS),
-    "all_reduce prod": (TWO_PAIRS, TWO_PAIRS),
+    # an all_to_all and an all_gather; an all_to_all and a reduce-scatter
+    "all_reduce max": ({**PAIR, **AG}, {**PAIR, **RS}),
+    "all_reduce prod": ({**PAIR, **AG}, {**PAIR, **RS}),
     "all_to_all even": (PAIR, PAIR),
     "all_to_all, sizes given": (PAIR, PAIR),
     "all_to_all, output sizes learned": ({"_allgather_base_": 1, **PAIR}, PAIR),
@@ -77,7 +90,7 @@ EXPECTED: dict[str, tuple[dict[str, int], dict[str, int]]] = {  # (forward, back
     "scatter, sizes given": ({"scatter_": 1}, {"gather_": 1}),
     "permute, recv_shape given": (PAIR, PAIR),
     # the keys' all_gather and the value's scalar all_reduce; the keys' reduce-scatter
-    "info_nce, sizes given": ({**PAIR, "allreduce_": 1}, PAIR),
+    "info_nce, sizes given": ({**AG, "allreduce_": 1}, RS),
     # one ring pass (W shifts of the texts on 2 ranks) and the value; the backward pass's
     "clip_loss ring, sizes given": (
         {"send": 2, "recv_": 2, "allreduce_": 1},

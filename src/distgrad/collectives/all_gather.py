@@ -150,6 +150,8 @@ def all_gather(
     Communication: forward 1 all_gather of x (padded to the largest rank's size when sizes
     differ, on NCCL), plus the size exchange when ``sizes`` is not given; backward 1 all_to_all
     moving (N-1)/N of the gradient, then a local sum (nothing with ``objective="replicated"``).
+    On gloo, with equal sizes under 256 KB per rank, the backward is an all_reduce and a slice
+    instead: fewer round trips (docs/semantics.md, "How the data moves on gloo").
     """
     g = resolve(group, "all_gather")
     desc = f"all_gather(dim={dim})"
@@ -203,9 +205,10 @@ def reduce_scatter(
     * max, min: the incoming gradient goes to the ranks holding the extreme value, split evenly
       among ties, as ``torch.amax``/``torch.amin`` do on the stacked inputs.
 
-    Communication: forward 1 all_to_all moving (N-1)/N of x, then a local reduction; backward 1
-    all_gather of the gradient (sum, avg) or 1 all_to_all of the same size as the forward's
-    (prod, max, min). No metadata once the first calls on the group are checked.
+    Communication: forward 1 all_to_all moving (N-1)/N of x, then a local reduction (sum and
+    avg on gloo with equal slices under 256 KB: an all_reduce and a slice, fewer round trips);
+    backward 1 all_gather of the gradient (sum, avg) or 1 all_to_all of the same size as the
+    forward's (prod, max, min). No metadata once the first calls on the group are checked.
     """
     g = resolve(group, "reduce_scatter")
     name = c.op_name(op)
