@@ -4,12 +4,12 @@ Every variant runs in the same two gloo processes, interleaved round-robin, so t
 the machine's noise; each timing is the slower rank's, between two barriers. Variants:
 
 * floor: the raw, non-differentiable communication that forward+backward needs, done the
-  cheapest way we know: on gloo, all_gather and reduce-scatter as concurrent point-to-point
-  pairs (distgrad's own raw functions, the reduce-scatter summing locally), all_reduce as
-  torch's. Ratios are against this.
+  cheapest way we know: distgrad's own raw functions (``distgrad._comm``), which on gloo run
+  all_gather and reduce-scatter as concurrent point-to-point pairs (the reduce-scatter summing
+  locally), or below 256 KB per rank as gloo's all_gather and an all_reduce and a slice;
+  all_reduce as torch's. Ratios are against this.
 * floor (torch ops): the same communication with torch's raw collectives only
-  (``all_gather_single``, ``reduce_scatter_single``; on gloo the latter is an all_reduce and a
-  slice, twice the bytes).
+  (``all_gather_single``, ``reduce_scatter_single``).
 * torch.distributed.nn: the deprecated differentiable collectives.
 * funcol: ``torch.distributed._functional_collectives`` autograd variants.
 * all_reduce+slice: a hand-written all_gather whose backward all_reduces the whole gradient and
