@@ -98,6 +98,18 @@ _SUB_BYTE = frozenset(f"torch.{kind}{bits}" for kind in ("int", "uint") for bits
 
 def dtype_problem(dtype: torch.dtype) -> str | None:
     """Why no collective carries ``dtype``, or None when every one does."""
+    # Asked twice per call on the hot path: a dict lookup, not a str() and two scans.
+    try:
+        return _dtype_problems[dtype]
+    except KeyError:
+        found = _dtype_problems[dtype] = _find_dtype_problem(dtype)
+        return found
+
+
+_dtype_problems: dict[torch.dtype, str | None] = {}
+
+
+def _find_dtype_problem(dtype: torch.dtype) -> str | None:
     name = str(dtype)
     if name in _SUB_BYTE:
         return (

@@ -89,7 +89,8 @@ class _ReduceScatterSum(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None]:
         plan: _Plan = ctx.plan
         check_backward_order("reduce_scatter", plan.group)
-        full = c.partner(_AllGather, grad, replace(plan, objective="sum"))
+        summed = plan if plan.objective == "sum" else replace(plan, objective="sum")
+        full = c.partner(_AllGather, grad, summed)
         return (full if ctx.needs_input_grad[0] else None), None
 
 
