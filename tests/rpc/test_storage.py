@@ -6,7 +6,7 @@ import pickle
 
 import torch
 
-from distgrad.rpc._storage import GradientStore, own_copies
+from distgrad.rpc._storage import GradientStore
 from distgrad.rpc._wire import GradientMessage, Reply
 from tests.rpc import _helpers as H
 
@@ -83,14 +83,6 @@ def test_sparse_gradients_keep_their_layout_and_only_contiguous_ones_are_kept() 
     torch.testing.assert_close(got.to_dense(), expanded.to_dense())
     store.add_all([(y, torch.ones(10, 3, dtype=torch.float64))])  # sparse + dense: dense
     assert not store.get(y).is_sparse  # type: ignore[union-attr]
-
-
-def test_own_copies_copies_repeats_and_expanded_gradients_only() -> None:
-    g = torch.ones(3)
-    fresh = torch.zeros(3)
-    out = own_copies([g, g, torch.ones(1).expand(3), None, fresh])
-    assert out[0] is g and out[4] is fresh and out[3] is None
-    assert _ptr(out[1]) != _ptr(g) and out[2].stride() == (1,)  # type: ignore[union-attr]
 
 
 def test_messages_pickle_as_their_fields() -> None:

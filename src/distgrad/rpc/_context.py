@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import collections
 import threading
-from collections.abc import Iterable
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -87,8 +87,10 @@ class DistAutogradContext:
             )
         sink.take(record, grads)
 
-    def store(self, pairs: Iterable[tuple[Tensor, Tensor]], foreign: frozenset[int]) -> None:
+    def store(self, pairs: Sequence[tuple[Tensor, Tensor]], foreign: frozenset[int]) -> None:
         """Keep the leaves' gradients of one backward phase (see ``_storage``)."""
+        if not pairs:  # most phases off the root reach no leaf
+            return
         with self.lock:
             self.grads.add_all(pairs, foreign)
 

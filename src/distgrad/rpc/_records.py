@@ -76,9 +76,9 @@ class SendRecord:
     """The sending half of a pair: where the sent tensors' gradients enter, and where they went.
 
     ``lineage``: the sends on every worker that this send's gradient reaches, found when it
-    was sent (``None``: too many to carry). The last three fields are caches filled on first
-    use by a backward pass: the leaves below the targets (FAST), and every node below them
-    with the recv messages they reach (SMART).
+    was sent (``None``: too many to carry). The last three fields are caches: the leaves below
+    the targets (FAST; found by the lineage walk when the send is recorded, else on first
+    use), and every node below them with the recv messages they reach (SMART, on first use).
     """
 
     message_id: int

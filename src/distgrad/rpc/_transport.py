@@ -12,15 +12,19 @@ three call first; outside distgrad contexts it costs one thread-local read per c
 from __future__ import annotations
 
 import contextlib
+import copyreg
+import io
+import pickle
 import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch._C._distributed_rpc import _invoke_rpc_python_udf
+from torch import Tensor
+from torch._C._distributed_rpc import PyRRef, _invoke_rpc_python_udf
 from torch.distributed import rpc as torch_rpc
-from torch.distributed.rpc import api
+from torch.distributed.rpc import api, internal
 from torch.distributed.rpc.internal import PythonUDF
 from torch.futures import Future
 
@@ -69,8 +73,67 @@ def call_async(
     info = _workers.get(to)
     if info is None or torch.autograd._profiler_enabled():  # type: ignore[attr-defined]
         return _torch_call_async(to, fn, args, timeout)
-    pickled, tensors = api._default_pickler.serialize(PythonUDF(fn, args, {}))  # type: ignore[no-untyped-call]
-    return _invoke_rpc_python_udf(info, pickled, tensors, timeout, False)  # type: ignore[no-any-return]
+    pickled, tensors = _serializer.serialize(PythonUDF(fn, args, {}))
+    return _invoke_rpc_python_udf(info, pickled, tensors, timeout, False)  # type: ignore[arg-type,no-any-return]
+
+
+def _tensor_at(index: int) -> Tensor:
+    """Unpickling a message: its ``index``-th tensor, which torch's RPC carried beside it."""
+    return internal._thread_local_tensor_tables.recv_tables[index]  # type: ignore[no-any-return]
+
+
+class _Serializer(threading.local):
+    """torch's RPC pickling (bytes plus a table of the tensors, which travel beside them), with
+    one pickler per thread kept between messages.
+
+    torch's ``_InternalRPCPickler.serialize`` builds a pickler and a buffer per message, and
+    pickles each tensor as ``getattr(_InternalRPCPickler, '_tensor_receiver')``, two globals;
+    here a tensor is one global, :func:`_tensor_at`. Measured hot on this machine: a gradient
+    message 19 us against 31 us, a call's request 29 us against 37 us. The receiver is torch's
+    own ``deserialize``. The same reducers are used (RRefs, and those registered with torch's
+    pickler); a message pickled while one is being pickled on this thread goes to torch's.
+    """
+
+    def __init__(self) -> None:
+        self.buffer = io.BytesIO()
+        self.pickler = pickle.Pickler(self.buffer)
+        self.tensors: list[Tensor] = []
+        self.busy = False
+        self.registered = -1  # how many reducers torch's pickler had when the table was made
+
+    def _reduce_tensor(self, tensor: Tensor) -> tuple[Callable[[int], Tensor], tuple[int]]:
+        self.tensors.append(tensor)
+        return _tensor_at, (len(self.tensors) - 1,)
+
+    def _table(self) -> None:
+        torch_pickler: Any = internal._internal_rpc_pickler
+        table = copyreg.dispatch_table.copy()
+        table[Tensor] = self._reduce_tensor
+        table[PyRRef] = torch_pickler._py_rref_reducer
+        table[torch_rpc.RRef] = torch_pickler._rref_reducer
+        table.update(torch_pickler._class_reducer_dict)
+        self.pickler.dispatch_table = table  # type: ignore[assignment]
+        self.registered = len(torch_pickler._class_reducer_dict)
+
+    def serialize(self, obj: Any) -> tuple[bytes, list[Tensor]]:
+        if self.busy:
+            return api._default_pickler.serialize(obj)  # type: ignore[no-any-return,no-untyped-call]
+        if self.registered != len(internal._internal_rpc_pickler._class_reducer_dict):
+            self._table()
+        self.busy = True
+        try:
+            self.buffer.seek(0)
+            self.buffer.truncate()
+            self.tensors = []
+            self.pickler.clear_memo()
+            self.pickler.dump(obj)
+            return self.buffer.getvalue(), self.tensors
+        finally:
+            self.tensors = []
+            self.busy = False
+
+
+_serializer = _Serializer()
 
 
 def _torch_call_async(
