@@ -7,6 +7,7 @@ gradient every distributed test compares with (the sum objective of docs/semanti
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -173,3 +174,13 @@ def warm_up(device: str = "cpu", group: Any = None) -> None:
     (as in a long training run)."""
     for _ in range(CHECKED_CALLS):
         dg.all_reduce(torch.zeros(1, device=device), group=group)
+
+
+def outcome(call: Callable[..., object], *args: Any, **kwargs: Any) -> tuple[str, str]:
+    """What ``call(*args, **kwargs)`` did on this rank: ``(exception type name, message)``, or
+    ``("no error", "")``; ranks compare these to show an error is the same on every rank."""
+    try:
+        call(*args, **kwargs)
+    except Exception as exc:
+        return type(exc).__name__, f"{exc}"
+    return "no error", ""

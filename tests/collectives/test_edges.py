@@ -19,6 +19,7 @@ import distgrad as dg
 from distgrad.collectives._signature import CHECKED_CALLS
 from distgrad.errors import CollectiveArgumentError, RankFailedError
 from distgrad.testing import run_on_ranks
+from tests.collectives.reference import outcome
 
 # x as each op takes it; the bad rank passes ``bad`` instead of its tensor.
 _OPS: dict[str, Any] = {
@@ -54,12 +55,7 @@ def _non_tensor_on_rank_one(rank: int, world_size: int, debug: bool) -> dict[str
                 continue  # a source passing None is its own case (test_bad_input)
             group = None if debug else dist.new_group([0, 1])  # a first call: checked
             x = torch.ones(2) if rank == 0 else bad
-            try:
-                call(x, group)
-            except Exception as exc:
-                seen[f"{op} {name}"] = (type(exc).__name__, f"{exc}")
-            else:
-                seen[f"{op} {name}"] = ("no error", "")
+            seen[f"{op} {name}"] = outcome(call, x, group)
             assert dg.all_reduce(torch.ones(1)).item() == world_size
     return seen
 
@@ -204,6 +200,10 @@ def test_a_non_tensor_error_is_raised_without_a_group() -> None:
         dg.all_reduce(1.5)  # type: ignore[arg-type]
 
 
+def _replicated_backward(x: torch.Tensor, v: torch.Tensor) -> None:
+    (dg.all_gather(x, objective="replicated") * v).sum().backward()
+
+
 def _replicated_with_nan(rank: int, world_size: int) -> list[tuple[str, str]]:
     dg.set_debug(True)
     x = torch.ones(2, 3, dtype=torch.float64, requires_grad=True)
@@ -212,12 +212,7 @@ def _replicated_with_nan(rank: int, world_size: int) -> list[tuple[str, str]]:
     differs[0, 1] = float("nan") if rank == 1 else 1.0  # NaN on rank 1 only
     seen = []
     for v in (same, differs):
-        try:
-            (dg.all_gather(x, objective="replicated") * v).sum().backward()
-        except Exception as exc:
-            seen.append((type(exc).__name__, f"{exc}"))
-        else:
-            seen.append(("no error", ""))
+        seen.append(outcome(_replicated_backward, x, v))
     return seen
 
 
