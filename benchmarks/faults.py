@@ -20,7 +20,6 @@ import platform
 import random
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -28,10 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for tests.faults._inject
 
-from tests.faults._inject import LARGE, SMALL, Fault, fault_time, ops, run_fault
-
-from distgrad.errors import RankFailedError
-from distgrad.testing import run_on_ranks
+from tests.faults._inject import LARGE, SMALL, Fault, inject, ops
 
 RESULTS = Path(__file__).parent / "results" / "faults.md"
 PG_TIMEOUT_S = 10.0
@@ -39,26 +35,13 @@ PG_TIMEOUT_S = 10.0
 
 def trial(fault: Fault) -> tuple[float | None, str]:
     """(detection seconds or None, a note) for one trial of ``fault``."""
-    handle, path = tempfile.mkstemp(prefix="distgrad-fault-")
-    os.close(handle)
-    fault = Fault(**{**fault.__dict__, "fault_file": path})
-    try:
-        run_on_ranks(
-            run_fault,
-            2,
-            args=(fault,),
-            timeout=60,
-            collective_timeout=PG_TIMEOUT_S,
-            grace=PG_TIMEOUT_S + 5,
-        )
+    failure, fault_at = inject(fault, PG_TIMEOUT_S, PG_TIMEOUT_S + 5)
+    if failure is None:
         return None, "no fault seen"
-    except RankFailedError as exc:
-        seen = exc.results.get(0)
-        if seen is None or seen.error_type is None:
-            return None, "survivor did not report"
-        return seen.when - fault_time(fault), seen.message.splitlines()[0][:160]
-    finally:
-        os.unlink(path)
+    seen = failure.results.get(0)
+    if seen is None or seen.error_type is None or fault_at is None:
+        return None, "survivor did not report"
+    return seen.when - fault_at, seen.message.splitlines()[0][:160]
 
 
 def cases(quick: bool) -> list[tuple[str, Fault]]:

@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import os
 import signal
+import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -31,6 +32,8 @@ from torch import Tensor
 
 import distgrad as dg
 from distgrad.collectives._signature import CHECKED_CALLS
+from distgrad.errors import RankFailedError
+from distgrad.testing import run_on_ranks
 
 SMALL = (256, 128)  # 128 KB of float32: point-to-point exchanges of it are waited for inline
 LARGE = (8192, 1024)  # 32 MB: waited for by a helper thread while this thread watches the peers
@@ -159,6 +162,29 @@ def _stamp(fault: Fault) -> None:
         f.write(repr(time.time()))
 
 
-def fault_time(fault: Fault) -> float:
-    with open(fault.fault_file) as f:
-        return float(f.read())
+def inject(
+    fault: Fault, collective_timeout: float, grace: float
+) -> tuple[RankFailedError | None, float | None]:
+    """Run ``fault`` on 2 fresh ranks: the harness's failure (None: no rank failed) and the
+    time of the fault (None: it never happened). The fault's time file is made and removed
+    here."""
+    handle, path = tempfile.mkstemp(prefix="distgrad-fault-")
+    os.close(handle)
+    try:
+        failure = None
+        try:
+            run_on_ranks(
+                run_fault,
+                2,
+                args=(replace(fault, fault_file=path),),
+                timeout=60,
+                collective_timeout=collective_timeout,
+                grace=grace,
+            )
+        except RankFailedError as exc:
+            failure = exc
+        with open(path) as f:
+            stamp = f.read()
+        return failure, float(stamp) if stamp else None
+    finally:
+        os.unlink(path)

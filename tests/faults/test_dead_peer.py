@@ -8,15 +8,11 @@ before the process-group timeout. Measured detection is 10-70 ms on loopback
 
 from __future__ import annotations
 
-import os
 import random
-import tempfile
 
 import pytest
 
-from distgrad.errors import RankFailedError
-from distgrad.testing import run_on_ranks
-from tests.faults._inject import LARGE, SMALL, Fault, Seen, fault_time, named, ops, run_fault
+from tests.faults._inject import LARGE, SMALL, Fault, Seen, inject, named, ops
 
 DETECTED_WITHIN_S = 5.0
 PG_TIMEOUT_S = 20.0  # far above the bound: a survivor that waited for it fails the test
@@ -27,25 +23,13 @@ DIFFERENTIABLE = [name for name in ops(2, 8) if name != "torch all_gather"]
 def survivor_sees(fault: Fault) -> tuple[Seen, float, str]:
     """Run ``fault``; return what rank 0 saw, how long after the fault, and the harness's
     report of the failure."""
-    handle, path = tempfile.mkstemp(prefix="distgrad-fault-")
-    os.close(handle)
-    fault = Fault(**{**fault.__dict__, "fault_file": path})
-    try:
-        with pytest.raises(RankFailedError) as info:
-            run_on_ranks(
-                run_fault,
-                2,
-                args=(fault,),
-                timeout=60,
-                collective_timeout=PG_TIMEOUT_S,
-                grace=DETECTED_WITHIN_S + 1,
-            )
-        report = str(info.value)
-        seen = info.value.results.get(0)
-        assert seen is not None, f"the survivor did not report within the grace period:\n{report}"
-        return seen, seen.when - fault_time(fault), report
-    finally:
-        os.unlink(path)
+    failure, fault_at = inject(fault, PG_TIMEOUT_S, DETECTED_WITHIN_S + 1)
+    assert failure is not None, "no rank failed: the fault did not end the victim's loop"
+    report = str(failure)
+    seen = failure.results.get(0)
+    assert seen is not None, f"the survivor did not report within the grace period:\n{report}"
+    assert fault_at is not None, f"the victim never stamped its fault:\n{report}"
+    return seen, seen.when - fault_at, report
 
 
 def assert_named(seen: Seen, took: float, op: str, report: str) -> None:
