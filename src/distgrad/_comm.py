@@ -32,8 +32,9 @@ Backend gaps handled here, once:
 
 from __future__ import annotations
 
+import atexit
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -96,6 +97,32 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+# The autograd engine keeps a Python object (the caller's contextvars) in the thread-local state
+# while a backward runs, and a collective started then captures that state in its work. gloo's
+# worker thread often drops the last reference to a finished work, and destroying the captured
+# Python object needs the GIL: if that happens while the interpreter is finalising (the job's
+# last backward, then exit), the thread is made to exit inside a C++ destructor and the process
+# aborts ("terminate called without an active exception"). Measured: 1 in 13 torchrun jobs.
+# So every exchange is started with that object out of the thread-local state (put back at
+# once): the work captures nothing of Python's. Plain torch collectives, never started inside a
+# backward, never see it.
+_ENGINE_TLS_KEY = "context"
+_tls_api = getattr(torch._C, "_is_key_in_tls", None) is not None
+
+
+def _start(start: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``start(*args, **kwargs)``, with nothing of Python's in the thread-local state it
+    captures (see above)."""
+    if not _tls_api or not torch._C._is_key_in_tls(_ENGINE_TLS_KEY):
+        return start(*args, **kwargs)
+    stashed = torch._C._get_obj_in_tls(_ENGINE_TLS_KEY)
+    torch._C._remove_obj_from_tls(_ENGINE_TLS_KEY)
+    try:
+        return start(*args, **kwargs)
+    finally:
+        torch._C._stash_obj_in_tls(_ENGINE_TLS_KEY, stashed)
+
+
 def metadata_device(group: Group) -> torch.device:
     """Where small bookkeeping tensors must live for this group's backend."""
     if group.is_nccl:
@@ -122,18 +149,79 @@ def share(values: Sequence[int], group: Group, desc: str = "a distgrad call") ->
     # on 2 ranks) but slower as the first exchange of a training step (1.0-1.8 ms against
     # 0.6-0.9 ms median, with more multi-millisecond stalls).
     every = mine.new_empty((group.size, len(values)))
-    if group.is_nccl:
-        work = _all_gather_single(every, mine, group=group.pg, async_op=True)
-    else:
-        work = group.pg._allgather_base(every, mine, _ALL_GATHER_OPTIONS)
     where = "forward" if torch._C._current_autograd_node() is None else "backward"
-    _finish(
-        work,
-        group,
-        what=f"the metadata handshake at the start of {desc}",
-        doing=f"was waiting for its peers at the start of {desc}, in its {where}",
-    )
+    what = f"the metadata handshake at the start of {desc}"
+    doing = f"was waiting for its peers at the start of {desc}, in its {where}"
+    if group.is_nccl:
+        _run(group, (), _all_gather_single, every, mine, group=group.pg, async_op=True)
+    else:
+        start = group.pg._allgather_base
+        _run(group, (every, mine), start, every, mine, _ALL_GATHER_OPTIONS, what=what, doing=doing)
     return every.tolist()  # type: ignore[no-any-return]
+
+
+def _run(
+    on: Group,
+    held: Sequence[Tensor],
+    start: Callable[..., Any],
+    /,
+    *args: Any,
+    what: str | None = None,
+    doing: str | None = None,
+    **kwargs: Any,
+) -> None:
+    """Start a collective on ``on`` with ``start(*args, **kwargs)``, wait for it, and return
+    once the backend's worker thread has let go of ``held``, every tensor handed to it.
+
+    Why the last step: gloo's worker thread drops its reference to a finished work a moment
+    after the waiting thread wakes. A tensor whose Python object dies while a C++ reference
+    lives on keeps that object alive inside it, and freeing it then needs the GIL. When the
+    worker's reference is the last, freed while the interpreter is finalising (a job's last
+    collective, then exit), the thread is made to exit inside a C++ destructor and the process
+    aborts. Holding ``held`` until the worker has let go (their C++ use counts back to what
+    they were; it takes microseconds) makes the worker's release a plain decrement.
+    """
+    global _ran_any
+    _ran_any = True
+    counts = None if on.is_nccl or _use_count is None else [_use_count(t) for t in held]
+    work = _start(start, *args, **kwargs)
+    _finish(work, on, what, doing)
+    del work
+    if counts:
+        _let_go(held, counts)
+
+
+_use_count: Callable[[Tensor], int] | None = getattr(Tensor, "_use_count", None)
+_LET_GO_WAIT_S = 0.2  # a worker thread that takes longer is not waited for
+
+
+def _let_go(held: Sequence[Tensor], counts: Sequence[int]) -> None:
+    deadline = 0.0
+    for tensor, count in zip(held, counts, strict=True):
+        while _use_count(tensor) > count:  # type: ignore[misc]
+            now = time.monotonic()
+            if not deadline:
+                deadline = now + _LET_GO_WAIT_S
+            elif now > deadline:
+                return
+            # Not sched_yield: the worker's last release of a tensor Python also holds takes
+            # the GIL (to drop its hold on the Python object), so this thread must let go of it.
+            time.sleep(0)
+
+
+_ran_any = False
+
+
+def _settle_at_exit() -> None:
+    """Let the backend's threads finish what they were releasing while the interpreter can
+    still give them the GIL (see :func:`_run`): a thread that asks for it once finalising has
+    begun is made to exit inside a C++ destructor, and the process aborts."""
+    if _ran_any:
+        time.sleep(_SETTLE_AT_EXIT_S)
+
+
+_SETTLE_AT_EXIT_S = 0.02
+atexit.register(_settle_at_exit)
 
 
 def _finish(work: Any, group: Group, what: str | None = None, doing: str | None = None) -> None:
@@ -209,7 +297,7 @@ def start_exchange(
     if group.is_nccl:
         ops = [dist.P2POp(dist.isend, t, group.global_rank(p), pg, tag=P2P_TAG) for t, p in sends]
         ops += [dist.P2POp(dist.irecv, t, group.global_rank(p), pg, tag=P2P_TAG) for t, p in recvs]
-        works = dist.batch_isend_irecv(ops) if ops else []
+        works = _start(dist.batch_isend_irecv, ops) if ops else []
     else:
         # The process group's own methods take group ranks; 0.25 ms faster than P2POp.
         works = []
@@ -288,8 +376,7 @@ def all_gather(x: Tensor, sizes: Sequence[int], group: Group) -> Tensor:
         out = x.new_empty((sum(sizes), *x.shape[1:]))
         mine = x.contiguous()
         if _use_gloo_collective(mine, sizes):
-            work = group.pg._allgather_base(out, mine, _ALL_GATHER_OPTIONS)
-            _finish(work, group)
+            _run(group, (out, mine), group.pg._allgather_base, out, mine, _ALL_GATHER_OPTIONS)
             return out
         blocks = torch.split(out, list(sizes))  # views into ``out``, each contiguous
         _exchange_by_pairs([mine] * group.size, blocks, group)
@@ -297,7 +384,7 @@ def all_gather(x: Tensor, sizes: Sequence[int], group: Group) -> Tensor:
     width = max(sizes)
     send = _pad_rows(x, width)
     out = send.new_empty((width * group.size, *x.shape[1:]))
-    _finish(_all_gather_single(out, send, group=group.pg, async_op=True), group)
+    _run(group, (), _all_gather_single, out, send, group=group.pg, async_op=True)
     return _trim_cat(out, sizes)
 
 
@@ -308,7 +395,7 @@ def reduce_scatter(x: Tensor, sizes: Sequence[int], group: Group) -> Tensor:
     mine = sizes[group.rank]
     if group.is_nccl and all(s == mine for s in sizes):
         out = x.new_empty((mine, *x.shape[1:]))
-        _finish(_reduce_scatter_single(out, x.contiguous(), group=group.pg, async_op=True), group)
+        _run(group, (), _reduce_scatter_single, out, x.contiguous(), group=group.pg, async_op=True)
         return out
     if not group.is_nccl and _use_gloo_collective(x[:mine], sizes):
         # An all_reduce and this rank's slice: twice the bytes, but small, and gloo's own
@@ -328,7 +415,10 @@ def all_to_all(
         return x.clone()
     out = x.new_empty((sum(output_sizes), *x.shape[1:]))
     if group.is_nccl:
-        work = dist.all_to_all_single(
+        _run(
+            group,
+            (),
+            dist.all_to_all_single,
             out,
             x.contiguous(),
             list(output_sizes),
@@ -336,7 +426,6 @@ def all_to_all(
             group=group.pg,
             async_op=True,
         )
-        _finish(work, group)
     else:
         # Same bytes as gloo's own all_to_all_single, but the pairs run concurrently: on 2
         # ranks over loopback it takes half the time (8192 x 512 float32: 10.9 against 16.6 ms).
@@ -366,10 +455,9 @@ def all_reduce(x: Tensor, op: str, group: Group) -> Tensor:
     if group.pg is None:
         return out
     if group.is_nccl or out.is_complex():  # torch's wrapper says which ops take complex
-        work = dist.all_reduce(out, op=_TORCH_OPS[op], group=group.pg, async_op=True)
+        _run(group, (out,), dist.all_reduce, out, op=_TORCH_OPS[op], group=group.pg, async_op=True)
     else:
-        work = group.pg.allreduce([out], _ALL_REDUCE_OPTIONS[op])
-    _finish(work, group)
+        _run(group, (out,), group.pg.allreduce, [out], _ALL_REDUCE_OPTIONS[op])
     return out
 
 
@@ -383,11 +471,19 @@ def broadcast(x: Tensor, src: int, group: Group) -> Tensor:
         else torch.empty_like(x, memory_format=torch.contiguous_format)
     )
     if group.is_nccl:
-        work = dist.broadcast(out, src=group.global_rank(src), group=group.pg, async_op=True)
+        _run(
+            group,
+            (),
+            dist.broadcast,
+            out,
+            src=group.global_rank(src),
+            group=group.pg,
+            async_op=True,
+        )
     else:
         opts = _options(BroadcastOptions, rootRank=src, rootTensor=0)
-        work = group.pg.broadcast([_real(out)], opts)
-    _finish(work, group)
+        moved = _real(out)
+        _run(group, (moved,), group.pg.broadcast, [moved], opts)
     return out
 
 
@@ -397,13 +493,20 @@ def reduce(x: Tensor, dst: int, group: Group) -> Tensor | None:
     if group.pg is None:
         return out
     if group.is_nccl:
-        work = dist.reduce(
-            out, dst=group.global_rank(dst), op=dist.ReduceOp.SUM, group=group.pg, async_op=True
+        _run(
+            group,
+            (),
+            dist.reduce,
+            out,
+            dst=group.global_rank(dst),
+            op=dist.ReduceOp.SUM,
+            group=group.pg,
+            async_op=True,
         )
     else:
         opts = _options(ReduceOptions, rootRank=dst, rootTensor=0, reduceOp=dist.ReduceOp.SUM)
-        work = group.pg.reduce([_real(out)], opts)  # a complex sum is the sum of its parts
-    _finish(work, group)
+        moved = _real(out)  # a complex sum is the sum of its parts
+        _run(group, (moved,), group.pg.reduce, [moved], opts)
     return out if group.rank == dst else None
 
 
@@ -416,11 +519,23 @@ def gather(x: Tensor, sizes: Sequence[int], dst: int, group: Group) -> Tensor | 
     out = send.new_empty((group.size * width, *x.shape[1:])) if group.rank == dst else None
     parts = list(out.chunk(group.size)) if out is not None else None
     if group.is_nccl:
-        work = dist.gather(send, parts, dst=group.global_rank(dst), group=group.pg, async_op=True)
+        _run(
+            group,
+            (),
+            dist.gather,
+            send,
+            parts,
+            dst=group.global_rank(dst),
+            group=group.pg,
+            async_op=True,
+        )
     else:
         outputs = [[_real(p) for p in parts]] if parts is not None else []
-        work = group.pg.gather(outputs, [_real(send)], _options(GatherOptions, rootRank=dst))
-    _finish(work, group)
+        sent = _real(send)
+        opts = _options(GatherOptions, rootRank=dst)
+        _run(
+            group, (sent, *(outputs[0] if outputs else ())), group.pg.gather, outputs, [sent], opts
+        )
     return _trim_cat(out, sizes) if out is not None else None
 
 
@@ -444,9 +559,26 @@ def scatter(
         assert x is not None
         chunks = [_pad_rows(part, width) for part in torch.split(x, list(sizes))]
     if group.is_nccl:
-        work = dist.scatter(out, chunks, src=group.global_rank(src), group=group.pg, async_op=True)
+        _run(
+            group,
+            (),
+            dist.scatter,
+            out,
+            chunks,
+            src=group.global_rank(src),
+            group=group.pg,
+            async_op=True,
+        )
     else:
         inputs = [[_real(c) for c in chunks]] if chunks is not None else []
-        work = group.pg.scatter([_real(out)], inputs, _options(ScatterOptions, rootRank=src))
-    _finish(work, group)
+        received = _real(out)
+        opts = _options(ScatterOptions, rootRank=src)
+        _run(
+            group,
+            (received, *(inputs[0] if inputs else ())),
+            group.pg.scatter,
+            [received],
+            inputs,
+            opts,
+        )
     return out[: sizes[group.rank]]

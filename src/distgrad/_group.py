@@ -11,14 +11,18 @@ group, never global ranks; ``global_rank`` translates them for the raw torch cal
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from distgrad import _alive
 from distgrad.errors import CollectiveArgumentError
 
-__all__ = ["Group", "ProcessGroup", "resolve"]
+__all__ = ["Group", "ProcessGroup", "forget_destroyed", "on_forget", "resolve"]
 
 ProcessGroup = dist.ProcessGroup
 
@@ -36,12 +40,14 @@ class Group:
     # Which distgrad call on this group an op's plan came from, so debug mode can check that
     # every rank's backward answers the same forward call.
     call: int = -1
+    # The global rank of each group rank (empty when alone): read once, not per message.
+    members: tuple[int, ...] = ()
 
     def global_rank(self, group_rank: int) -> int:
         """The global rank of the process with rank ``group_rank`` in this group."""
         if self.pg is None:
             return group_rank
-        return dist.get_global_rank(self.pg, group_rank)
+        return self.members[group_rank]
 
     @property
     def is_nccl(self) -> bool:
@@ -75,7 +81,10 @@ def resolve(group: object, op: str = "collective") -> Group:
     key = (id(group), group.group_name)
     found = _resolved.get(key)
     if found is None:
+        forget_destroyed()  # a group destroyed without distgrad's wrapper seeing it
         found = _resolved[key] = _describe(group)
+        if found.size > 1:
+            _alive.publish()  # before any peer may need to know whether this process lives
     return found
 
 
@@ -89,6 +98,7 @@ def _describe(pg: ProcessGroup) -> Group:
         size=dist.get_world_size(pg),
         backend=str(dist.get_backend(pg)),
         name=pg.group_name,
+        members=tuple(dist.get_process_group_ranks(pg)),
     )
 
 
@@ -109,3 +119,75 @@ def _not_a_group(group: object, op: str) -> str:
     elif isinstance(group, list | tuple):
         hint = f"; make a group of these ranks with torch.distributed.new_group({list(group)!r})"
     return f"{op}: group must be a torch.distributed ProcessGroup or None, got {shown}{hint}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Forgetting destroyed groups. Everything distgrad keeps per group (this cache, call counters,
+# what a rank last did) is dropped when the group is destroyed: a new group must start afresh
+# even if it gets the old one's name (torch numbers groups from 0 again after the default group
+# is destroyed), and the cache must not keep a destroyed group's connections open.
+
+ForgetHook = Callable[[list[Group], bool], None]
+"""Called with the groups forgotten and whether the default group was among them."""
+
+_forget_hooks: list[ForgetHook] = []
+
+
+def on_forget(hook: ForgetHook) -> None:
+    """Have ``hook`` drop its own state of groups as they are forgotten."""
+    _forget_hooks.append(hook)
+
+
+def _live_groups() -> Any:
+    return dist.distributed_c10d._world.pg_map
+
+
+def forget_destroyed() -> None:
+    """Forget every group torch no longer knows (destroyed), with every hook's state of it."""
+    if not _resolved:
+        return
+    live = _live_groups() if dist.is_available() else {}
+    gone = [key for key, group in _resolved.items() if group.pg not in live]
+    if gone:
+        world = dist.group.WORLD if dist.is_initialized() else None
+        world_gone = world is None or world not in live or any(
+            _resolved[key].pg is not world and _resolved[key].name == world.group_name
+            for key in gone
+        )
+        _forget([_resolved.pop(key) for key in gone], world_gone)
+
+
+def _forget(groups: list[Group], world_gone: bool) -> None:
+    if world_gone:
+        _alive.forget()
+    for hook in _forget_hooks:
+        hook(groups, world_gone)
+
+
+def _wrap_destroy() -> None:
+    """Make ``torch.distributed.destroy_process_group`` forget what distgrad kept of the group,
+    so that once it returns nothing of distgrad's refers to that group. (A caller holding
+    torch's function from before distgrad's import still gets the same effect later: a new
+    group's first call forgets destroyed ones, :func:`forget_destroyed`.)"""
+    c10d = dist.distributed_c10d
+    original = c10d.destroy_process_group
+    if getattr(original, "_distgrad_wrapped", False):
+        return
+
+    @functools.wraps(original)
+    def destroy_process_group(group: ProcessGroup | None = None) -> None:
+        try:
+            original(group)
+        finally:
+            forget_destroyed()
+            if group is None:
+                _forget([], True)  # the default group went, whatever distgrad had seen
+
+    destroy_process_group._distgrad_wrapped = True  # type: ignore[attr-defined]
+    c10d.destroy_process_group = destroy_process_group
+    if getattr(dist, "destroy_process_group", None) is original:
+        dist.destroy_process_group = destroy_process_group
+
+
+if dist.is_available():
+    _wrap_destroy()

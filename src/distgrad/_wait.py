@@ -20,12 +20,13 @@ So distgrad never blocks on such an operation without a way out:
   socket buffers whole (gloo sizes them to the message) and were never seen in flight; they are
   waited for inline, which keeps small exchanges at their old cost (a helper thread costs about
   0.1 ms, 20% of a 128 KB exchange on 2 busy cores).
-* At a wait's first tick, every peer of the group gets a **sentinel**: a receive on a tag nobody
-  sends on, which gloo fails as soon as that peer's connection closes. Posting it on a connection
-  already closed fails at once; otherwise a thread waits on it. Each later tick reads the
-  sentinels, so a dead peer is named within a tick or two even when the operation in flight
-  would wait forever. Sentinels (one pending receive and one thread per peer) are made only for
-  groups where some wait lasted a tick, and live as long as the process.
+* At each tick, the waiting thread polls distgrad's liveness connections to the peers it waits
+  on (``distgrad._alive``): sockets the kernel resets when a peer's process dies, however it
+  dies. So a dead peer is named within a tick or two even when the operation in flight would
+  wait forever. No thread watches, and nothing pending is tied to a group: a destroyed group
+  and an exiting interpreter leave no distgrad thread blocked in native code. (The helper
+  thread of a large exchange whose peer died is the one exception: gloo offers no way to
+  release it; it returns at the group's timeout.)
 
 When an exchange fails, the error keeps gloo's own type and text and starts with distgrad's
 account: which rank, which op, which pass, which peer. On a timeout, every rank that times out
@@ -51,11 +52,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from distgrad._group import Group
+from distgrad import _alive
+from distgrad._group import Group, on_forget
 
 __all__ = [
     "INLINE_BYTES",
-    "SENTINEL_TAG",
     "TICK_S",
     "activity",
     "annotate",
@@ -71,11 +72,7 @@ TICK_S = 0.02
 INLINE_BYTES = 256 * 1024
 """Point-to-point messages up to this size are waited for inline (see the module docstring)."""
 
-SENTINEL_TAG = 0x64670001
-"""The point-to-point tag of the sentinels ("dg", 1): distgrad never sends on it; nor may users."""
-
 _TICK = timedelta(seconds=TICK_S)
-_FOREVER = timedelta(days=365)
 _REPORT_WAIT_S = 1.0  # after a timeout, how long to wait for the peers' own reports
 _RECENT_S = 5.0  # a peer's report counts if written this recently
 _NOTE_AFTER_S = 1.0  # a wait this long says in the store what it waits in, until it ends
@@ -91,6 +88,15 @@ def note_call(desc: str, call: int, group: Group) -> None:
     """Record the forward call this rank is making (``call``: its number on ``group``)."""
     global _last_forward
     _last_forward = (desc, call, (id(group.pg), group.name))
+
+
+def _forget_last_call(groups: list[Group], world_gone: bool) -> None:
+    global _last_forward
+    if any((id(g.pg), g.name) == _last_forward[2] for g in groups) or world_gone:
+        _last_forward = ("a distgrad collective", -1, (0, ""))
+
+
+on_forget(_forget_last_call)
 
 
 def activity(group: Group) -> str:
@@ -119,61 +125,23 @@ def _op_of(node: Any) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# Sentinels: one receive per (group, peer) that gloo fails when the peer's connection closes.
-
-
-class _Sentinel:
-    def __init__(self, group: Group, peer: int) -> None:
-        self.error: BaseException | None = None
-        self._thread: threading.Thread | None = None
-        assert group.pg is not None
-        # Held so that the group's id, this sentinel's key, is never reused by a new group.
-        self.pg = group.pg
-        try:
-            # One byte that nobody ever sends: the receive stays pending for the process's life.
-            work = group.pg.recv([torch.empty(1, dtype=torch.uint8)], peer, SENTINEL_TAG)
-        except RuntimeError as exc:  # the connection is closed already
-            self.error = exc
-            return
-        self._thread = threading.Thread(
-            target=self._watch, args=(work,), name=f"distgrad-sentinel-{peer}", daemon=True
-        )
-        self._thread.start()
-
-    def _watch(self, work: Any) -> None:
-        try:
-            work.wait(_FOREVER)
-        except BaseException as exc:
-            self.error = exc
-
-    def lost(self, settle_s: float = 0.0) -> BaseException | None:
-        """The error that closed this peer's connection, if it closed (not a timeout)."""
-        if self.error is None and settle_s and self._thread is not None:
-            self._thread.join(settle_s)  # gloo may have failed it a moment ago
-        error = self.error
-        return error if error is not None and not is_timeout(error) else None
-
-
-_sentinels: dict[tuple[int, str, int], _Sentinel] = {}
-_sentinel_lock = threading.Lock()
+# Dead peers, seen through distgrad's own liveness sockets (distgrad._alive).
 
 
 def _dead_peer(
     group: Group, peers: Sequence[int], settle_s: float = 0.0
 ) -> tuple[int, BaseException] | None:
-    """The first of ``peers`` whose connection is closed, making sentinels where missing."""
-    if group.pg is None or group.is_nccl:
+    """The first of ``peers`` (group ranks) whose process is gone, with an error saying how
+    that was seen."""
+    if group.pg is None or group.is_nccl or not peers:
         return None
-    for peer in peers:
-        key = (id(group.pg), group.name, peer)
-        with _sentinel_lock:
-            sentinel = _sentinels.get(key)
-            if sentinel is None:
-                sentinel = _sentinels[key] = _Sentinel(group, peer)
-        error = sentinel.lost(settle_s)
-        if error is not None:
-            return peer, error
-    return None
+    _alive.publish()  # cheap when done; a no-op without a default store
+    found = _alive.dead([group.global_rank(p) for p in peers], settle_s)
+    if found is None:
+        return None
+    global_rank, why = found
+    peer = group.members.index(global_rank)
+    return peer, dist.DistBackendError(f"rank {peer} (global rank {global_rank}): {why}")
 
 
 def is_timeout(error: BaseException) -> bool:
@@ -217,8 +185,7 @@ def wait_collective(
                     raise annotate(real, group, others(group), start, what, doing) from None
             dead = _dead_peer(group, others(group))
             if dead is not None:
-                error = _fresh(dead[1])
-                raise annotate(error, group, [dead[0]], start, what, doing) from None
+                raise annotate(dead[1], group, [dead[0]], start, what, doing) from None
             note.tick()
     finally:
         note.end()
@@ -242,20 +209,12 @@ def wait_pairs(works: Sequence[Any], peers: Sequence[int], group: Group, largest
         while not job.done.wait(TICK_S):
             dead = _dead_peer(group, sorted(set(peers)))
             if dead is not None:
-                raise annotate(_fresh(dead[1]), group, [dead[0]], start) from None
+                raise annotate(dead[1], group, [dead[0]], start) from None
             note.tick()
     finally:
         note.end()
     if job.error is not None:
         raise annotate(job.error, group, [peers[job.failed]], start) from None
-
-
-def _fresh(error: BaseException) -> BaseException:
-    """A new exception with ``error``'s type and text (the sentinel's is raised in its thread)."""
-    try:
-        return type(error)(str(error))
-    except Exception:
-        return RuntimeError(str(error))
 
 
 class _Job:
@@ -344,21 +303,57 @@ def annotate(
     what = what or activity(group)
     doing = doing or f"was in {what}"
     waited = time.monotonic() - start
+    source = _backend(group)
     if is_timeout(error):
         account = _timeout_account(group, peers, doing, what, waited)
     else:
-        if len(peers) != 1:  # a collective: find the peer by its connection
-            dead = _dead_peer(group, peers, settle_s=0.05)
-            peers = [dead[0]] if dead is not None else peers
-        who = f"rank {peers[0]}" if len(peers) == 1 else "a peer"
-        account = (
-            f"distgrad: rank {group.rank} {doing} when its connection to {who} closed, "
-            f"{waited:.2f} s into the wait: {who} exited or crashed (its own log says why); "
-            "this group cannot be used any more"
-        )
+        dead = _dead_peer(group, peers, settle_s=0.05)
+        if dead is not None and dead[1] is error:
+            source = "distgrad's liveness check"
+        if dead is not None:
+            who = f"rank {dead[0]}"
+            account = (
+                f"distgrad: rank {group.rank} {doing} when its connection to {who} closed, "
+                f"{waited:.2f} s into the wait: {who} exited or crashed (its own log says why); "
+                "this group cannot be used any more"
+            )
+        elif _lost_connection(error):
+            who = f"rank {peers[0]}" if len(peers) == 1 else "a peer"
+            account = (
+                f"distgrad: rank {group.rank} {doing} when its connection to {who} closed, "
+                f"{waited:.2f} s into the wait; {who}'s process is still running, so it closed "
+                "the connection itself (its own timeout expired, it destroyed the group, or it "
+                "failed: its own log says why); this group cannot be used any more"
+            )
+        else:
+            account = (
+                f"distgrad: rank {group.rank} {doing} when its {source} backend refused the "
+                "operation on this rank: a local error (no peer's process is gone and no "
+                "connection closed; the backend's text follows). If every rank made the same "
+                "call, every rank got this error and the group stays usable"
+            )
     original = str(error.args[0]) if error.args else str(error)
-    error.args = (f"{account}\n[from {_backend(group)}] {original}", *error.args[1:])
+    error.args = (f"{account}\n[from {source}] {original}", *error.args[1:])
     return error
+
+
+_CONNECTION_LOST = (
+    "connection closed",
+    "closed by peer",
+    "connection reset",
+    "broken pipe",
+    "socket closed",
+    "pair closure",
+    "read error",
+    "write error",
+    "connection refused",
+)
+
+
+def _lost_connection(error: BaseException) -> bool:
+    """Whether a backend error says a connection to a peer went away."""
+    text = str(error).lower()
+    return any(sign in text for sign in _CONNECTION_LOST)
 
 
 def _backend(group: Group) -> str:

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from distgrad import _comm, _ops
-from distgrad._group import Group
+from distgrad._group import Group, on_forget
 from distgrad._meta import (
     RankCall,
     debug_enabled,
@@ -65,6 +65,14 @@ CHECKED_CALLS = 8
 # How many distgrad calls this process has made on each group, by the group's id and name (see
 # distgrad._group). Every rank counts the same calls, so the counts name a call alike everywhere.
 _calls: dict[tuple[int, str], int] = {}
+
+
+def _forget_calls(groups: list[Group], world_gone: bool) -> None:
+    for group in groups:
+        _calls.pop((id(group.pg), group.name), None)
+
+
+on_forget(_forget_calls)
 
 
 def calls_so_far(group: Group) -> int:
