@@ -109,7 +109,7 @@ def _count(events: Any) -> dict[str, int]:
 def _messages_of_every_op(rank: int, world_size: int) -> dict[str, tuple[dict[str, int], ...]]:
     warm_up()
     group = resolve(None, "all_reduce")
-    _wait._dead_peer(group, [peer for peer in range(world_size) if peer != rank])  # the sentinels
+    _wait._dead_peer(group, [peer for peer in range(world_size) if peer != rank])  # connects
     seen = {}
     for name, call in _cases(rank).items():
         x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)

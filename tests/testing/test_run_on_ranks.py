@@ -173,3 +173,56 @@ def test_a_rank_that_dies_is_reported_with_its_exit_code_and_its_peer_ended() ->
     with pytest.raises(RankFailedError, match=r"rank 1: died without reporting \(exit code 3\)"):
         run_on_ranks(_exit_without_a_word, 2, timeout=30)
     assert time.monotonic() - start < 8
+
+
+# How a rank leaves is part of the result: a rank that reported its value and then crashes or
+# hangs in teardown fails the run, as torchrun would report the job.
+
+
+def _abort_while_leaving_on_rank_1(rank: int, world_size: int) -> int:
+    if rank == 1:
+        import atexit
+        import signal
+
+        atexit.register(os.kill, os.getpid(), signal.SIGABRT)
+    return rank
+
+
+def test_a_rank_that_aborts_after_reporting_fails_the_run() -> None:
+    with pytest.raises(RankFailedError) as info:
+        run_on_ranks(_abort_while_leaving_on_rank_1, 2, timeout=30)
+    message = str(info.value)
+    assert "--- rank 1: returned its value but then died of SIGABRT while leaving" in message
+    assert "rank 0" not in message  # rank 0 left cleanly
+    assert info.value.results == {0: 0}
+
+
+def _hang_while_leaving_on_rank_0(rank: int, world_size: int) -> int:
+    if rank == 0:
+        import atexit
+
+        atexit.register(time.sleep, 3600)
+    return rank
+
+
+def test_a_rank_that_does_not_exit_after_reporting_fails_the_run() -> None:
+    started = time.monotonic()
+    with pytest.raises(RankFailedError) as info:
+        run_on_ranks(_hang_while_leaving_on_rank_0, 2, timeout=30)
+    assert "--- rank 0: returned its value but did not exit within 5 s" in str(info.value)
+    assert time.monotonic() - started < 20
+
+
+def _exit_with_code_3_after_reporting(rank: int, world_size: int) -> int:
+    import atexit
+
+    atexit.register(os._exit, 3)
+    return rank
+
+
+def test_a_nonzero_exit_code_after_reporting_fails_the_run() -> None:
+    with pytest.raises(RankFailedError) as info:
+        run_on_ranks(_exit_with_code_3_after_reporting, 2, timeout=30)
+    message = str(info.value)
+    assert "--- rank 0: returned its value but then exited with code 3" in message
+    assert "--- rank 1: returned its value but then exited with code 3" in message

@@ -21,6 +21,7 @@ Why it is built this way (measured on a 2-core machine):
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import faulthandler
 import multiprocessing as mp
@@ -28,6 +29,7 @@ import multiprocessing.connection
 import os
 import pickle
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -45,6 +47,7 @@ Init = Literal["process_group", "rpc", "none"]
 
 _GRACE_S = 2.0  # default: after the first failure, how long peers may report before being killed
 _LEAVE_GRACE_S = 2.0  # how long a finished rank waits for its peers to finish before leaving
+_EXIT_WITHIN_S = _LEAVE_GRACE_S + 3.0  # how long a rank that reported may take to exit
 # torch.autograd imports symbolic_shapes lazily the first time a backward is given explicit
 # gradients (about 1.3 s); every distributed backward over RPC does that on each worker.
 _PRELOAD = ["torch", "torch.distributed", "torch.fx.experimental.symbolic_shapes", "distgrad"]
@@ -165,10 +168,17 @@ def run_on_ranks(
     finally:
         # Ranks that all reported are leaving together (at most _LEAVE_GRACE_S): let them.
         clean = len(outcomes) == world_size and all(o.ok for o in outcomes.values())
-        _reap(processes, _LEAVE_GRACE_S + 3.0 if clean else 0.0)
+        killed = _reap(processes, _EXIT_WITHIN_S if clean else 0.0)
         for receiver in receivers:
             receiver.close()
         shutil.rmtree(rendezvous_dir, ignore_errors=True)
+    if clean:
+        # A rank that reported its value must then leave cleanly: a crash or a hang in
+        # teardown is a failure of the job, as a launcher such as torchrun would see it.
+        for rank, proc in enumerate(processes):
+            why = _bad_exit(proc.exitcode, rank in killed)
+            if why is not None:
+                outcomes[rank] = _Outcome(rank=rank, ok=False, when=time.time(), summary=why)
     failures = [o for o in outcomes.values() if not o.ok]
     if failures:
         results = {o.rank: o.value for o in outcomes.values() if o.ok}
@@ -228,15 +238,40 @@ def _receive(conn: Any, rank: int, proc: Any, hang_after: float) -> _Outcome:
         return _Outcome(rank=rank, ok=False, when=time.time(), summary=summary)
 
 
-def _reap(processes: list[Any], leave_s: float) -> None:
-    """Give the processes ``leave_s`` seconds to exit, then kill what is left and reap all."""
+def _reap(processes: list[Any], leave_s: float) -> set[int]:
+    """Give the processes ``leave_s`` seconds to exit, then kill what is left and reap all;
+    returns the indices of those killed."""
     deadline = time.monotonic() + leave_s
-    for proc in processes:
+    killed = set()
+    for index, proc in enumerate(processes):
         proc.join(timeout=max(0.0, deadline - time.monotonic()))
         if proc.is_alive():
             proc.kill()
+            killed.add(index)
     for proc in processes:
         proc.join(timeout=5.0)
+    return killed
+
+
+def _bad_exit(code: int | None, killed: bool) -> str | None:
+    """What was wrong with how a rank that reported its value then exited, if anything."""
+    if killed:
+        return (
+            f"returned its value but did not exit within {_EXIT_WITHIN_S:.0f} s "
+            "(stuck in teardown), so it was killed"
+        )
+    if code == 0:
+        return None
+    if code is not None and code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return (
+            f"returned its value but then died of {name} while leaving (exit code {code}); "
+            "its stderr above has faulthandler's stack"
+        )
+    return f"returned its value but then exited with code {code}"
 
 
 def _failure_message(fn: Callable[..., Any], world_size: int, failures: list[_Outcome]) -> str:
@@ -260,6 +295,8 @@ def _rank_main(
     args: tuple[Any, ...],
     sender: multiprocessing.connection.Connection,
 ) -> None:
+    # A crash (SIGSEGV, SIGABRT, ...) prints every thread's Python stack to stderr.
+    faulthandler.enable(all_threads=True)
     faulthandler.dump_traceback_later(spec.hang_timeout, exit=True)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     import torch
@@ -280,6 +317,9 @@ def _rank_main(
         # injected on purpose) would make the parent kill this rank before its report.
         sender.send_bytes(payload)
         _leave(spec, store)
+        # What an interpreter does as it exits, short of finalising (multiprocessing ends
+        # the process with os._exit): the handlers distgrad and torch registered run here.
+        atexit._run_exitfuncs()
     except BaseException as exc:
         when = time.time()
         summary = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
