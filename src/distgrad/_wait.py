@@ -141,7 +141,12 @@ def _dead_peer(
         return None
     global_rank, why = found
     peer = group.members.index(global_rank)
-    return peer, dist.DistBackendError(f"rank {peer} (global rank {global_rank}): {why}")
+    return peer, PeerGoneError(f"rank {peer} (global rank {global_rank}): {why}")
+
+
+class PeerGoneError(dist.DistBackendError):
+    """A peer's process is gone, as distgrad's liveness check saw it (a backend error, as
+    torch raises for a closed connection)."""
 
 
 def is_timeout(error: BaseException) -> bool:
@@ -308,7 +313,7 @@ def annotate(
         account = _timeout_account(group, peers, doing, what, waited)
     else:
         dead = _dead_peer(group, peers, settle_s=0.05)
-        if dead is not None and dead[1] is error:
+        if isinstance(error, PeerGoneError):
             source = "distgrad's liveness check"
         if dead is not None:
             who = f"rank {dead[0]}"
