@@ -132,3 +132,35 @@ def test_distgrad_runs_a_constant_number_of_threads_whatever_the_peers_and_group
             assert seen["after"] <= seen["baseline"] + 1, (world, rank, seen)
             if rank != 0:  # they waited for rank 0 long enough to watch every peer, once
                 assert seen["liveness_connections"] == world - 1, (world, rank, seen)
+
+
+def _add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a + b
+
+
+def _rpc_three_times(rank: int, world: int, folder: str) -> list[list[float]]:
+    from distgrad import rpc as dgrpc
+
+    grads = []
+    for round_ in range(3):
+        dgrpc.init_rpc(
+            f"w{rank}",
+            rank=rank,
+            world_size=world,
+            init_method=f"file://{os.path.join(folder, f'rpc{round_}')}",
+            timeout=20,
+        )
+        with dgrpc.context() as ctx:
+            x = torch.ones(2, dtype=torch.float64, requires_grad=True)
+            y = dgrpc.rpc_sync(f"w{(rank + 1) % world}", _add, args=(x, x * (round_ + 1)))
+            dgrpc.backward(ctx, [y.sum()])
+            grads.append(dgrpc.get_gradients(ctx)[x].tolist())
+        dgrpc.shutdown()
+    return grads
+
+
+def test_init_rpc_and_shutdown_three_times_in_one_process(tmp_path: object) -> None:
+    # d(sum(x + (round + 1) x))/dx = round + 2, computed across the two workers each round
+    expected = [[2.0, 2.0], [3.0, 3.0], [4.0, 4.0]]
+    results = run_on_ranks(_rpc_three_times, 2, args=(str(tmp_path),), init="none", timeout=90)
+    assert results == [expected, expected]

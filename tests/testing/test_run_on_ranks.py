@@ -86,6 +86,9 @@ def test_a_peer_waiting_in_a_collective_is_ended_within_the_grace_period() -> No
 
 
 def _rank_1_fails_late_rank_0_returns(rank: int, world_size: int, delay: float) -> str:
+    # Both ranks are connected before rank 1 fails: a rank that exits while its peer is still
+    # connecting makes the peer's init_process_group fail (gloo's connectFullMesh).
+    dist.barrier()
     if rank == 1:
         raise RuntimeError("rank 1 fails first")
     time.sleep(delay)  # reports this long after its peer failed
