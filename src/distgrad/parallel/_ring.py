@@ -1,0 +1,215 @@
+"""Ring attention: exact softmax attention over a sequence split in blocks across the ranks.
+
+Legend: ``N`` ranks; rank r holds the ``S_r`` consecutive positions starting at
+``o_r = S_0 + ... + S_{r-1}`` (uneven and empty blocks allowed); ``q`` ``[..., S_r, D]``,
+``k`` ``[..., S_r, D]``, ``v`` ``[..., S_r, Dv]``; ``lse`` the log-sum-exp of a query's scores.
+
+Algorithm (the queries stay, the keys and values travel): at step t rank r holds the key and
+value block of rank ``(r - t) mod N`` and folds it into its running softmax (the maximum, the
+sum of exponentials and the weighted values, rescaled when the maximum grows), then passes
+the block on to rank r + 1. With ``causal``, a block that lies wholly after this rank's
+queries is passed on without computing (its scores are all masked), and the block of the
+rank itself is masked on and above the diagonal.
+
+The backward recomputes each block's scores from the saved ``lse`` (as FlashAttention does)
+and sends the blocks round the same ring again, each *with its gradient accumulator*: every
+rank adds its queries' contribution to the block's ``dk`` and ``dv``, and one last shift
+brings the accumulator home to the block's owner. The gradients thus travel with the blocks
+and reach their owner from the rank before it.
+
+Choice: a custom autograd function, not a composition of differentiable ``dg.permute`` calls.
+A composition would keep every block that went round the ring (all of K and V, and every
+block's probabilities) for the backward; this keeps only this rank's ``q``, ``k``, ``v``, the
+output and ``lse``, plus two blocks in flight. It is not twice differentiable.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.autograd.function import FunctionCtx, once_differentiable
+
+from distgrad._group import ProcessGroup, resolve
+from distgrad.collectives import all_gather, permute
+
+__all__ = ["ring_attention"]
+
+
+@dataclass(frozen=True)
+class _Plan:
+    group: ProcessGroup | None
+    rank: int
+    sizes: tuple[int, ...]  # every rank's S_r
+    causal: bool
+    scale: float
+
+    @property
+    def ring(self) -> list[int]:
+        n = len(self.sizes)
+        return [(r + 1) % n for r in range(n)]
+
+    def holder(self, step: int) -> int:
+        """Whose block this rank holds at ``step``."""
+        return (self.rank - step) % len(self.sizes)
+
+    def offset(self, rank: int) -> int:
+        return sum(self.sizes[:rank])
+
+    def masked_out(self, block: int) -> bool:
+        """True when no score of ``block`` survives: causal and wholly after the queries, or
+        an empty block or query set."""
+        if self.sizes[block] == 0 or self.sizes[self.rank] == 0:
+            return True
+        return (
+            self.causal and self.offset(block) > self.offset(self.rank) + self.sizes[self.rank] - 1
+        )
+
+    def mask(self, block: int, device: torch.device) -> Tensor | None:
+        """[S_r, S_block] True where a key comes after its query; None when none does."""
+        if not self.causal or self.offset(block) + self.sizes[block] - 1 <= self.offset(self.rank):
+            return None
+        queries = self.offset(self.rank) + torch.arange(self.sizes[self.rank], device=device)
+        keys = self.offset(block) + torch.arange(self.sizes[block], device=device)
+        return keys[None, :] > queries[:, None]
+
+
+def _shift(block: Tensor, plan: _Plan, step: int) -> Tensor:
+    """Pass ``block`` to the next rank; receive the block of ``holder(step)``."""
+    shape = (*block.shape[:-2], plan.sizes[plan.holder(step)], block.shape[-1])
+    return permute(block, plan.ring, plan.group, recv_shape=shape)
+
+
+def _scores(q: Tensor, k: Tensor, plan: _Plan, block: int) -> Tensor:
+    s = torch.matmul(q, k.transpose(-1, -2)) * plan.scale  # [..., S_r, S_block]
+    mask = plan.mask(block, q.device)
+    return s if mask is None else s.masked_fill(mask, -math.inf)
+
+
+def _forward(q: Tensor, k: Tensor, v: Tensor, plan: _Plan) -> tuple[Tensor, Tensor]:
+    """Online softmax over the blocks as they come round: (output, lse)."""
+    dk = k.shape[-1]
+    top = q.new_full(q.shape[:-1], -math.inf)  # [..., S_r] running maximum
+    total = q.new_zeros(q.shape[:-1])  # running sum of exp(score - top)
+    acc = q.new_zeros((*q.shape[:-1], v.shape[-1]))  # running sum of exp(score - top) * v
+    kv = torch.cat([k, v], dim=-1)  # one message per step
+    for step in range(len(plan.sizes)):
+        if step > 0:
+            kv = _shift(kv, plan, step)
+        block = plan.holder(step)
+        if plan.masked_out(block):
+            continue
+        s = _scores(q, kv[..., :dk], plan, block)
+        new_top = torch.maximum(top, s.amax(-1))
+        safe = torch.where(torch.isinf(new_top), 0.0, new_top)  # a row with no key yet
+        p = torch.exp(s - safe[..., None])
+        rescale = torch.exp(top - safe)
+        total = total * rescale + p.sum(-1)
+        acc = acc * rescale[..., None] + torch.matmul(p, kv[..., dk:])
+        top = new_top
+    empty = total == 0  # only in an empty query block
+    out = acc / torch.where(empty, 1.0, total)[..., None]
+    lse = torch.where(empty, math.inf, torch.where(torch.isinf(top), 0.0, top) + total.log())
+    return out, lse
+
+
+def _backward(
+    q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, plan: _Plan
+) -> tuple[Tensor, Tensor, Tensor]:
+    dk_width = k.shape[-1]
+    delta = (dout * out).sum(-1, keepdim=True)  # [..., S_r, 1]: rowsum(dO * O)
+    dq = torch.zeros_like(q)
+    kv = torch.cat([k, v], dim=-1)
+    grads = torch.zeros_like(kv)  # the accumulator of the block this rank holds
+    for step in range(len(plan.sizes)):
+        if step > 0:
+            both = _shift(torch.cat([kv, grads], dim=-1), plan, step)
+            kv, grads = both[..., : kv.shape[-1]], both[..., kv.shape[-1] :]
+        block = plan.holder(step)
+        if plan.masked_out(block):
+            continue
+        kb, vb = kv[..., :dk_width], kv[..., dk_width:]
+        p = torch.exp(_scores(q, kb, plan, block) - lse[..., None])  # [..., S_r, S_block]
+        ds = p * (torch.matmul(dout, vb.transpose(-1, -2)) - delta) * plan.scale
+        dq = dq + torch.matmul(ds, kb)
+        grads = grads + torch.cat(
+            [torch.matmul(ds.transpose(-1, -2), q), torch.matmul(p.transpose(-1, -2), dout)], -1
+        )
+    # After the last step this rank holds the block of rank + 1, whose accumulator is complete.
+    grads = _shift(grads, plan, len(plan.sizes)) if len(plan.sizes) > 1 else grads
+    return dq, grads[..., :dk_width], grads[..., dk_width:]
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: FunctionCtx, q: Tensor, k: Tensor, v: Tensor, plan: _Plan) -> Tensor:
+        out, lse = _forward(q, k, v, plan)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.plan = plan  # type: ignore[attr-defined]
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor, Tensor, Tensor, None]:
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _backward(q, k, v, out, lse, dout.contiguous(), ctx.plan)
+        return dq, dk, dv, None
+
+
+def ring_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    group: ProcessGroup | None = None,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    sizes: Sequence[int] | None = None,
+) -> Tensor:
+    """Softmax attention of this rank's queries over every rank's keys and values.
+
+    ``q``, ``k`` ``[..., S_r, D]`` and ``v`` ``[..., S_r, Dv]`` are this rank's block of the
+    sequence (dim -2); the ranks hold consecutive blocks in rank order, as the whole sequence
+    split by ``sizes`` (every rank's ``S_r``; uneven and empty blocks allowed; without it the
+    ranks exchange their lengths first). Leading dims (batch, heads) must match across ranks.
+    Returns ``[..., S_r, Dv]``: this rank's rows of
+    ``scaled_dot_product_attention(Q, K, V, is_causal=causal, scale=scale)`` on the whole
+    sequence (``scale`` defaults to ``1/sqrt(D)``; ``causal`` masks keys after their query by
+    global position). Inputs are not modified.
+
+    Gradient (the objective is the sum over ranks of what each rank back-propagates): ``q``
+    gets this rank's rows; ``k`` and ``v`` get the sum over every rank's queries of their
+    terms. Not twice differentiable.
+
+    Communication: forward N-1 sends and receives of a [..., S, D + Dv] block; backward N-1 of
+    [..., S, 2 (D + Dv)] (block and accumulator) and 1 of [..., S, D + Dv]; plus the length
+    exchange when ``sizes`` is not given. Memory: the saved inputs, output and lse, and the
+    blocks in flight; never the whole K or V.
+    """
+    if k.shape[:-1] != q.shape[:-1] or v.shape[:-1] != k.shape[:-1]:
+        raise ValueError(
+            "ring_attention: q, k and v must share every dim but the last (this rank's block "
+            f"of the sequence at dim -2), got {tuple(q.shape)}, {tuple(k.shape)}, "
+            f"{tuple(v.shape)}"
+        )
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(
+            f"ring_attention: q and k must have the same last dim, got {q.shape[-1]} and "
+            f"{k.shape[-1]}"
+        )
+    g = resolve(group, "ring_attention")
+    if sizes is None:
+        mine = torch.tensor([[q.shape[-2]]], dtype=torch.int64, device=q.device)
+        sizes = [int(n) for n in all_gather(mine, group, sizes=[1] * g.size).view(-1).tolist()]
+    elif len(sizes) != g.size or sizes[g.rank] != q.shape[-2]:
+        raise ValueError(
+            f"ring_attention: sizes must give every rank's sequence length ({g.size} ints, "
+            f"this rank's {q.shape[-2]} at index {g.rank}), got {list(sizes)}"
+        )
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    plan = _Plan(group, g.rank, tuple(sizes), causal, scale)
+    return _RingAttention.apply(q, k, v, plan)  # type: ignore[no-untyped-call,no-any-return]
