@@ -161,7 +161,8 @@ class MoE(nn.Module):
 def moe_layer(model: MoE, x: Tensor, routing: P.Routing) -> Tensor:
     rows = P.dispatch(x, routing)
     parts = rows.split(routing.expert_sizes)
-    outs = [torch.tanh(model.experts[e](part)) for e, part in zip(routing.local_experts, parts)]
+    experts = [model.experts[e] for e in routing.local_experts]
+    outs = [torch.tanh(f(part)) for f, part in zip(experts, parts, strict=True)]
     return P.combine(torch.cat(outs) if outs else x.new_zeros(0, D_MODEL), routing)
 
 
@@ -204,7 +205,7 @@ def hand_moe_loss(model: MoE, x: Tensor, v: Tensor) -> Tensor:
     """Hand-written top-2 MoE with the usual local capacity rule: each rank keeps at most
     ``capacity / N`` of its own assignments per expert, which drops other tokens than one
     process with ``capacity`` does."""
-    rank, size = rank_and_size()
+    _, size = rank_and_size()
     top_w, top_e = torch.softmax(model.router(x), -1).topk(2, -1)
     top_w = top_w / top_w.sum(-1, keepdim=True)
     flat = top_e.reshape(-1)
@@ -262,7 +263,7 @@ def hand_ring_loss(q: Tensor, k: Tensor, v: Tensor, cot: Tensor) -> Tensor:
     """Hand-written ring attention (even blocks): the blocks travel with raw point-to-point
     calls, so autograd sees the received keys and values as constants, and no gradient goes
     back to their owners."""
-    rank, size = rank_and_size()
+    _, size = rank_and_size()
     scores, values = [], []
     kb, vb = k, v
     for step in range(size):

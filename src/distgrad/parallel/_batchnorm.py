@@ -21,7 +21,7 @@ from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from distgrad._group import ProcessGroup, resolve
-from distgrad.collectives import all_gather
+from distgrad.collectives.all_gather import all_gather
 
 __all__ = ["SyncBatchNorm", "sync_batch_norm"]
 

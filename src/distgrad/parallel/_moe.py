@@ -30,7 +30,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from distgrad._group import Group, ProcessGroup, resolve
-from distgrad.collectives import all_gather, all_to_all
+from distgrad.collectives.all_gather import all_gather
+from distgrad.collectives.all_to_all import all_to_all
 
 __all__ = ["Routing", "combine", "dispatch", "route"]
 

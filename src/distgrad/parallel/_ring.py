@@ -35,7 +35,8 @@ from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
 
 from distgrad._group import ProcessGroup, resolve
-from distgrad.collectives import all_gather, permute
+from distgrad.collectives.all_gather import all_gather
+from distgrad.collectives.permute import permute
 
 __all__ = ["ring_attention"]
 

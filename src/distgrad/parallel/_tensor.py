@@ -31,7 +31,8 @@ from torch import Tensor
 from torch.autograd.function import FunctionCtx
 
 from distgrad._group import ProcessGroup
-from distgrad.collectives import all_gather, all_reduce, reduce_scatter
+from distgrad.collectives.all_gather import all_gather, reduce_scatter
+from distgrad.collectives.all_reduce import all_reduce
 
 __all__ = [
     "Objective",

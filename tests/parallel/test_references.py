@@ -1,0 +1,203 @@
+"""Each pattern against the reference users trust, on the same inputs.
+
+Semantics asserted (random cotangents; the objective is the sum over ranks of each rank's
+share, so every rank's input gradient is its slice of the reference's and parameter gradients
+summed over ranks are the reference's):
+
+* SyncBatchNorm against ``torch.nn.BatchNorm1d`` / ``BatchNorm2d`` on the whole batch over
+  three training steps: outputs, input and affine gradients, ``running_mean``,
+  ``running_var`` (torch's unbiased variance), ``num_batches_tracked`` (momentum 0.1 and
+  ``None``), then the output in eval mode; uneven per-rank batches with an empty rank.
+* ring_attention against ``F.scaled_dot_product_attention`` on the whole sequence, causal and
+  not, a custom scale, ``Dv != D``, float64 and float32.
+* route/dispatch/combine against a dense loop over every expert on one process, with the
+  capacity rule written out independently (a Python loop over tokens in order).
+
+float64 is compared at atol 1e-10 (rtol 1e-7 for the different summation order); float32 at
+torch's float32 defaults (the ring sums blocks in another order than SDPA's kernel).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from distgrad import parallel as P
+from distgrad.testing import run_on_ranks
+from tests.parallel import patterns as pt
+
+DT = torch.float64
+TOL64 = {"rtol": 1e-7, "atol": 1e-10}
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _rows(t: torch.Tensor, sizes: list[int], rank: int, dim: int = 0) -> torch.Tensor:
+    return torch.split(t, sizes, dim=dim)[rank]
+
+
+def _summed(t: torch.Tensor) -> torch.Tensor:
+    out = t.clone()
+    dist.all_reduce(out)
+    return out
+
+
+def _deviation(got: torch.Tensor, want: torch.Tensor, what: str, **tol: float) -> float:
+    torch.testing.assert_close(got, want, **(tol or TOL64), msg=lambda m: f"{what}: {m}")
+    return float((got - want).abs().max()) if got.numel() else 0.0
+
+
+# -- synchronized batch norm against torch's batch norm --------------------------------------
+
+
+def _bn_case(rank: int, sizes: list[int], shape: tuple[int, ...], momentum: float | None) -> float:
+    channels = shape[0]
+    ours = P.SyncBatchNorm(channels, momentum=momentum, dtype=DT)
+    theirs = (torch.nn.BatchNorm1d if len(shape) < 3 else torch.nn.BatchNorm2d)(
+        channels, momentum=momentum, dtype=DT
+    )
+    with torch.no_grad():
+        for p, q in zip(ours.parameters(), theirs.parameters(), strict=True):
+            p.copy_(1 + 0.5 * torch.randn(p.shape, dtype=DT, generator=_gen(3)))
+            q.copy_(p)
+    worst = 0.0
+    for step in range(3):
+        g = _gen(100 + step)
+        full = 4.0 * torch.randn(sum(sizes), *shape, dtype=DT, generator=g) + step
+        cot = torch.randn(full.shape, dtype=DT, generator=g)
+        x = _rows(full, sizes, rank).requires_grad_()
+        whole = full.clone().requires_grad_()
+        y, want = ours(x), theirs(whole)
+        (y * _rows(cot, sizes, rank)).sum().backward()
+        (want * cot).sum().backward()
+        worst = max(
+            worst,
+            _deviation(y, _rows(want, sizes, rank), "output"),
+            _deviation(x.grad, _rows(whole.grad, sizes, rank), "input gradient"),  # type: ignore[arg-type]
+            _deviation(_summed(ours.weight.grad), theirs.weight.grad, "weight gradient"),  # type: ignore[arg-type]
+            _deviation(_summed(ours.bias.grad), theirs.bias.grad, "bias gradient"),  # type: ignore[arg-type]
+            _deviation(ours.running_mean, theirs.running_mean, "running_mean"),  # type: ignore[arg-type]
+            _deviation(ours.running_var, theirs.running_var, "running_var (unbiased)"),  # type: ignore[arg-type]
+        )
+        assert int(ours.num_batches_tracked) == int(theirs.num_batches_tracked) == step + 1  # type: ignore[arg-type]
+        ours.zero_grad()
+        theirs.zero_grad()
+    ours.eval()
+    theirs.eval()
+    full = torch.randn(sum(sizes), *shape, dtype=DT, generator=_gen(9))
+    with torch.no_grad():
+        want = _rows(theirs(full), sizes, rank)
+        return max(worst, _deviation(ours(_rows(full, sizes, rank)), want, "eval output"))
+
+
+def _bn_against_torch(rank: int, n: int, sizes: list[int]) -> float:
+    shapes = [(3, 4, 4), (5,), (5, 6)]  # BatchNorm2d, BatchNorm1d on [B, C] and [B, C, L]
+    return max(_bn_case(rank, sizes, s, m) for s in shapes for m in (0.1, None))
+
+
+@pytest.mark.parametrize(("n", "sizes"), [(2, [7, 2]), (3, [4, 0, 5]), (4, [1, 3, 0, 5])])
+def test_sync_batch_norm_matches_torch_batch_norm_on_the_whole_batch(
+    n: int, sizes: list[int]
+) -> None:
+    worst = max(run_on_ranks(_bn_against_torch, n, args=(sizes,)))
+    assert worst < 1e-10
+
+
+# -- ring attention against scaled_dot_product_attention -------------------------------------
+
+
+def _ring_case(
+    rank: int, sizes: list[int], causal: bool, scale: float | None, dtype: torch.dtype
+) -> float:
+    g = _gen(7 + int(causal))
+    s = sum(sizes)
+    q, k = (torch.randn(2, 3, s, 4, dtype=dtype, generator=g) for _ in range(2))
+    v = torch.randn(2, 3, s, 5, dtype=dtype, generator=g)
+    cot = torch.randn(2, 3, s, 5, dtype=dtype, generator=g)
+    whole = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = F.scaled_dot_product_attention(*whole, is_causal=causal, scale=scale)
+    (want * cot).sum().backward()
+    mine = [_rows(t, sizes, rank, 2).requires_grad_() for t in (q, k, v)]
+    got = P.ring_attention(*mine, causal=causal, scale=scale, sizes=sizes)
+    (got * _rows(cot, sizes, rank, 2)).sum().backward()
+    tol: dict[str, float] = {} if dtype == DT else {"rtol": 1.3e-6, "atol": 1e-5}
+    worst = _deviation(got, _rows(want, sizes, rank, 2), "output", **tol)
+    for name, a, b in zip("qkv", mine, whole, strict=True):
+        worst = max(worst, _deviation(a.grad, _rows(b.grad, sizes, rank, 2), f"d{name}", **tol))  # type: ignore[arg-type]
+    return worst if dtype == DT else 0.0
+
+
+def _ring_against_sdpa(rank: int, n: int, sizes: list[int]) -> float:
+    cases = [(c, sc, dt) for c in (False, True) for sc in (None, 0.3) for dt in (DT, torch.float32)]
+    return max(_ring_case(rank, sizes, *case) for case in cases)
+
+
+@pytest.mark.parametrize(("n", "sizes"), [(2, [3, 6]), (3, [4, 0, 5]), (4, [2, 1, 3, 3])])
+def test_ring_attention_matches_sdpa_on_the_whole_sequence(n: int, sizes: list[int]) -> None:
+    worst = max(run_on_ranks(_ring_against_sdpa, n, args=(sizes,)))
+    assert worst < 1e-10
+
+
+# -- MoE against a dense loop over the experts ------------------------------------------------
+
+
+def dense_moe(model: pt.MoE, x: torch.Tensor, k: int, capacity: int | None) -> torch.Tensor:
+    """Every expert on every token, masked: the reference, written without route()."""
+    weights, chosen = torch.softmax(model.router(x), -1).topk(k, -1)
+    weights = weights / weights.sum(-1, keepdim=True)
+    taken = [0] * pt.EXPERTS
+    keep = torch.zeros_like(chosen, dtype=torch.bool)
+    for t in range(x.shape[0]):  # the global order: tokens in order, each token's choices
+        for j in range(k):
+            e = int(chosen[t, j])
+            if capacity is None or taken[e] < capacity:
+                keep[t, j], taken[e] = True, taken[e] + 1
+    out = torch.zeros_like(x)
+    for e, expert in enumerate(model.experts):
+        gate = (weights * ((chosen == e) & keep)).sum(-1, keepdim=True)  # [T, 1]
+        out = out + gate * torch.tanh(expert(x))
+    return out
+
+
+def _moe_against_dense(rank: int, n: int, sizes: list[int]) -> float:
+    ours, theirs = pt.MoE(), pt.MoE()
+    worst = 0.0
+    settings: list[tuple[int, int | None, list[int] | None]] = [
+        (2, 3, None),
+        (1, None, [0] * (n - 1) + [pt.EXPERTS]),
+        (2, 1, None),
+        (3, 4, [pt.EXPERTS] + [0] * (n - 1)),
+    ]
+    for step, (k, capacity, split) in enumerate(settings):  # the sizes change every step
+        g = _gen(40 + step)
+        full = torch.randn(sum(sizes), pt.D_MODEL, dtype=DT, generator=g)
+        cot = torch.randn(full.shape, dtype=DT, generator=g)
+        whole = full.clone().requires_grad_()
+        want = dense_moe(theirs, whole, k, capacity)
+        (want * cot).sum().backward()
+        x = _rows(full, sizes, rank).requires_grad_()
+        routing = P.route(ours.router(x), k, capacity=capacity, experts_per_rank=split)
+        got = pt.moe_layer(ours, x, routing)
+        (got * _rows(cot, sizes, rank)).sum().backward()
+        worst = max(
+            worst,
+            _deviation(got, _rows(want, sizes, rank), f"step {step}: output"),
+            _deviation(x.grad, _rows(whole.grad, sizes, rank), f"step {step}: input gradient"),  # type: ignore[arg-type]
+        )
+        for (name, p), q in zip(ours.named_parameters(), theirs.parameters(), strict=True):
+            grad = p.grad if p.grad is not None else torch.zeros_like(p)
+            want_grad = q.grad if q.grad is not None else torch.zeros_like(q)
+            worst = max(worst, _deviation(_summed(grad), want_grad, f"step {step}: {name}"))
+        ours.zero_grad()
+        theirs.zero_grad()
+    return worst
+
+
+@pytest.mark.parametrize(("n", "sizes"), [(2, [6, 7]), (3, [5, 0, 6]), (4, [3, 4, 1, 4])])
+def test_moe_matches_a_dense_loop_over_experts(n: int, sizes: list[int]) -> None:
+    worst = max(run_on_ranks(_moe_against_dense, n, args=(sizes,)))
+    assert worst < 1e-10
