@@ -72,8 +72,9 @@ def _split_experts(num_experts: int, size: int, given: Sequence[int] | None) -> 
     given = list(given)
     if len(given) != size or sum(given) != num_experts or min(given) < 0:
         raise ValueError(
-            f"experts_per_rank must be {size} non-negative ints adding up to the {num_experts} "
-            f"experts (the logits' last dim), got {given}"
+            f"route: experts_per_rank must give each of the {size} ranks its number of "
+            f"experts (non-negative, adding up to the {num_experts} experts, the logits' last "
+            f"dim), got {given}"
         )
     return given
 
