@@ -6,9 +6,8 @@ gradient equals its slice of the single-process gradient and every parameter gra
 summed over ranks, equals the single-process one ("summed"). Megatron's replicated contract
 (every rank returns the whole loss, counted once) satisfies the same check. Checked with
 dg.testing.check_against_single_process (float64, real gloo ranks in debug mode, atol 1e-10
-and rtol 0: the ranks sum in another order than one process, which costs about 1e-15) on 2, 3 and 4 ranks with uneven shards, an
-empty one included where the pattern allows it; every loss is the first thing each rank runs,
-so the first calls are also checked across ranks.
+and rtol 0: the ranks sum in another order than one process, which costs about 1e-15) on 2,
+3 and 4 ranks with uneven shards, an empty one included where the pattern allows it.
 """
 
 from __future__ import annotations

@@ -34,7 +34,8 @@ import torch
 from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from distgrad._group import ProcessGroup, resolve
+from distgrad import _ops
+from distgrad._group import Group, ProcessGroup, resolve
 from distgrad.collectives.all_gather import all_gather
 from distgrad.collectives.permute import permute
 
@@ -43,11 +44,22 @@ __all__ = ["ring_attention"]
 
 @dataclass(frozen=True)
 class _Plan:
-    group: ProcessGroup | None
-    rank: int
+    group: Group
     sizes: tuple[int, ...]  # every rank's S_r
     causal: bool
     scale: float
+
+    @property
+    def rank(self) -> int:
+        return self.group.rank
+
+    def args(self) -> tuple[list[int], bool, float, str]:
+        """The plan as a custom op's arguments (the group by its registered name)."""
+        return list(self.sizes), self.causal, self.scale, self.group.name
+
+    @staticmethod
+    def of(sizes: list[int], causal: bool, scale: float, group: str) -> _Plan:
+        return _Plan(_ops.group_named(group), tuple(sizes), causal, scale)
 
     @property
     def ring(self) -> list[int]:
@@ -82,7 +94,7 @@ class _Plan:
 def _shift(block: Tensor, plan: _Plan, step: int) -> Tensor:
     """Pass ``block`` to the next rank; receive the block of ``holder(step)``."""
     shape = (*block.shape[:-2], plan.sizes[plan.holder(step)], block.shape[-1])
-    return permute(block, plan.ring, plan.group, recv_shape=shape)
+    return permute(block, plan.ring, plan.group.pg, recv_shape=shape)
 
 
 def _scores(q: Tensor, k: Tensor, plan: _Plan, block: int) -> Tensor:
@@ -142,23 +154,82 @@ def _backward(
         )
     # After the last step this rank holds the block of rank + 1, whose accumulator is complete.
     grads = _shift(grads, plan, len(plan.sizes)) if len(plan.sizes) > 1 else grads
-    return dq, grads[..., :dk_width], grads[..., dk_width:]
+    # Two tensors of their own, not views of one (a custom op's outputs may not alias).
+    return dq, grads[..., :dk_width].clone(), grads[..., dk_width:].clone()
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: FunctionCtx, q: Tensor, k: Tensor, v: Tensor, plan: _Plan) -> Tensor:
-        out, lse = _forward(q, k, v, plan)
+        if _ops.traced(plan.group):  # one opaque node for torch.compile, as distgrad's ops
+            out, lse = torch.ops.distgrad.ring_attention(q, k, v, *plan.args(), _ops.order_token(q))
+        else:
+            out, lse = _forward(q, k, v, plan)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan = plan  # type: ignore[attr-defined]
-        return out
+        return out  # type: ignore[no-any-return]
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor, Tensor, Tensor, None]:
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _backward(q, k, v, out, lse, dout.contiguous(), ctx.plan)
+        plan: _Plan = ctx.plan
+        dout = dout.contiguous()
+        if _ops.traced(plan.group):
+            dq, dk, dv = torch.ops.distgrad.ring_attention_backward(
+                q, k, v, out, lse, dout, *plan.args(), _ops.order_token(q)
+            )
+        else:
+            dq, dk, dv = _backward(q, k, v, out, lse, dout, plan)
         return dq, dk, dv, None
+
+
+# The passes as torch.library custom ops, for torch.compile: the same code runs, as one node
+# whose fake kernel gives the output shapes; the token keeps every rank's exchanges in
+# program order (distgrad._ops).
+
+
+@torch.library.custom_op("distgrad::ring_attention", mutates_args=("token",))
+def _ring_attention_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    sizes: list[int],
+    causal: bool,
+    scale: float,
+    group: str,
+    token: Tensor,
+) -> tuple[Tensor, Tensor]:
+    return _forward(q, k, v, _Plan.of(sizes, causal, scale, group))
+
+
+@_ring_attention_op.register_fake
+def _(q: Tensor, k: Tensor, v: Tensor, *plan: object) -> tuple[Tensor, Tensor]:
+    return q.new_empty((*q.shape[:-1], v.shape[-1])), q.new_empty(q.shape[:-1])
+
+
+@torch.library.custom_op("distgrad::ring_attention_backward", mutates_args=("token",))
+def _ring_attention_backward_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    dout: Tensor,
+    sizes: list[int],
+    causal: bool,
+    scale: float,
+    group: str,
+    token: Tensor,
+) -> tuple[Tensor, Tensor, Tensor]:
+    return _backward(q, k, v, out, lse, dout, _Plan.of(sizes, causal, scale, group))
+
+
+@_ring_attention_backward_op.register_fake
+def _(
+    q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, *plan: object
+) -> tuple[Tensor, Tensor, Tensor]:
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def ring_attention(
@@ -176,7 +247,8 @@ def ring_attention(
     ``q``, ``k`` ``[..., S_r, D]`` and ``v`` ``[..., S_r, Dv]`` are this rank's block of the
     sequence (dim -2); the ranks hold consecutive blocks in rank order, as the whole sequence
     split by ``sizes`` (every rank's ``S_r``; uneven and empty blocks allowed; without it the
-    ranks exchange their lengths first). Leading dims (batch, heads) must match across ranks.
+    ranks exchange their lengths first; inside ``torch.compile`` pass it). Leading dims
+    (batch, heads) must match across ranks.
     Returns ``[..., S_r, Dv]``: this rank's rows of
     ``scaled_dot_product_attention(Q, K, V, is_causal=causal, scale=scale)`` on the whole
     sequence (``scale`` defaults to ``1/sqrt(D)``; ``causal`` masks keys after their query by
@@ -203,6 +275,11 @@ def ring_attention(
             f"{k.shape[-1]}"
         )
     g = resolve(group, "ring_attention")
+    if sizes is None and g.size > 1 and torch.compiler.is_compiling():
+        raise ValueError(
+            "ring_attention inside torch.compile needs sizes= (every rank's sequence length): "
+            "the lengths cannot be exchanged within a graph"
+        )
     if sizes is None:
         mine = torch.tensor([[q.shape[-2]]], dtype=torch.int64, device=q.device)
         sizes = [int(n) for n in all_gather(mine, group, sizes=[1] * g.size).view(-1).tolist()]
@@ -212,5 +289,5 @@ def ring_attention(
             f"this rank's {q.shape[-2]} at index {g.rank}), got {list(sizes)}"
         )
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    plan = _Plan(group, g.rank, tuple(sizes), causal, scale)
+    plan = _Plan(g, tuple(sizes), causal, scale)
     return _RingAttention.apply(q, k, v, plan)  # type: ignore[no-untyped-call,no-any-return]
