@@ -240,10 +240,12 @@ def hand_moe_loss(model: MoE, x: Tensor, v: Tensor) -> Tensor:
 
 
 def ring_loss(q: Tensor, k: Tensor, v: Tensor, cot: Tensor) -> Tensor:
-    """Ring attention over the sequence (dim 2), without and with the causal mask."""
-    full = P.ring_attention(q, k, v)
+    """Ring attention over the sequence (dim 2 of [B, H, S, D]), without and with the causal
+    mask, and on 3-d inputs with a narrower value head."""
+    full = P.ring_attention(q, k, v)  # [B, H, S_r, D]: blocks through torch's fused kernel
     causal = P.ring_attention(q, k, v, causal=True, scale=0.7)
-    return (full * cot).sum() + (causal * cot.roll(1, -1)).sum()
+    narrow = P.ring_attention(q[0], k[0], v[0, ..., :2], causal=True)  # 3-d, Dv != D: matmuls
+    return (full * cot).sum() + (causal * cot.roll(1, -1)).sum() + (narrow * cot[1, ..., :2]).sum()
 
 
 def _pass_on(block: Tensor) -> Tensor:

@@ -111,13 +111,13 @@ def test_sync_batch_norm_matches_torch_batch_norm_on_the_whole_batch(
 
 
 def _ring_case(
-    rank: int, sizes: list[int], causal: bool, scale: float | None, dtype: torch.dtype
+    rank: int, sizes: list[int], causal: bool, scale: float | None, dtype: torch.dtype, dv: int
 ) -> float:
     g = _gen(7 + int(causal))
     s = sum(sizes)
     q, k = (torch.randn(2, 3, s, 4, dtype=dtype, generator=g) for _ in range(2))
-    v = torch.randn(2, 3, s, 5, dtype=dtype, generator=g)
-    cot = torch.randn(2, 3, s, 5, dtype=dtype, generator=g)
+    v = torch.randn(2, 3, s, dv, dtype=dtype, generator=g)
+    cot = torch.randn(2, 3, s, dv, dtype=dtype, generator=g)
     whole = [t.clone().requires_grad_() for t in (q, k, v)]
     want = F.scaled_dot_product_attention(*whole, is_causal=causal, scale=scale)
     (want * cot).sum().backward()
@@ -132,7 +132,13 @@ def _ring_case(
 
 
 def _ring_against_sdpa(rank: int, n: int, sizes: list[int]) -> float:
-    cases = [(c, sc, dt) for c in (False, True) for sc in (None, 0.3) for dt in (DT, torch.float32)]
+    cases = [
+        (c, sc, dt, dv)
+        for c in (False, True)
+        for sc in (None, 0.3)
+        for dt in (DT, torch.float32)
+        for dv in (4, 5)  # 4: blocks through torch's fused kernel; 5: through matmuls
+    ]
     return max(_ring_case(rank, sizes, *case) for case in cases)
 
 

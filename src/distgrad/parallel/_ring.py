@@ -11,9 +11,14 @@ the block on to rank r + 1. With ``causal``, a block that lies wholly after this
 queries is passed on without computing (its scores are all masked), and the block of the
 rank itself is masked on and above the diagonal.
 
-The backward recomputes each block's scores from the saved ``lse`` (as FlashAttention does)
-and sends the blocks round the same ring again, each *with its gradient accumulator*: every
-rank adds its queries' contribution to the block's ``dk`` and ``dv``, and one last shift
+Each block goes through torch's fused CPU attention kernel when it can (float32 or float64,
+``Dv == D``: a tiled kernel that returns the block's log-sum-exp and never holds its
+``[S_r, S_block]`` scores), through plain matmuls otherwise; the blocks' partial outputs are
+merged by their log-sum-exps.
+
+The backward recomputes each block from the saved output and log-sum-exp (as FlashAttention
+does) and sends the blocks round the same ring again, each *with its gradient accumulator*:
+every rank adds its queries' contribution to the block's ``dk`` and ``dv``, and one last shift
 brings the accumulator home to the block's owner. The gradients thus travel with the blocks
 and reach their owner from the rank before it.
 
@@ -103,12 +108,71 @@ def _scores(q: Tensor, k: Tensor, plan: _Plan, block: int) -> Tensor:
     return s if mask is None else s.masked_fill(mask, -math.inf)
 
 
+def _fused(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether a block can go through torch's fused CPU attention kernel (FlashAttention-style,
+    tiled: no [S_r, S_block] scores in memory), which also returns the log-sum-exp."""
+    return (
+        q.device.type == "cpu"
+        and q.dtype in (torch.float32, torch.float64)
+        and k.shape[-1] == v.shape[-1]  # the kernel needs one head size
+    )
+
+
+def _as_4d(t: Tensor) -> Tensor:
+    return t if t.dim() == 4 else t.reshape(-1, 1, *t.shape[-2:])
+
+
+def _block_forward(
+    q: Tensor, k: Tensor, v: Tensor, plan: _Plan, block: int
+) -> tuple[Tensor, Tensor]:
+    """One block's attention output [..., S_r, Dv] and log-sum-exp [..., S_r]."""
+    if _fused(q, k, v):
+        # A causal block is this rank's own: square, masked above the diagonal.
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            _as_4d(q),
+            _as_4d(k),
+            _as_4d(v),
+            0.0,
+            plan.mask(block, q.device) is not None,
+            scale=plan.scale,
+        )
+        return out.reshape(*q.shape[:-1], v.shape[-1]), lse.reshape(q.shape[:-1])
+    s = _scores(q, k, plan, block)
+    top = s.amax(-1, keepdim=True)  # every row keeps a key: its own position at least
+    p = torch.exp(s - top)
+    total = p.sum(-1, keepdim=True)
+    return torch.matmul(p, v) / total, (top + total.log()).squeeze(-1)
+
+
+def _block_backward(
+    q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, plan: _Plan, block: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """One block's share of (dq, dk, dv), given the *whole* output and log-sum-exp."""
+    if _fused(q, k, v):
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            _as_4d(dout),
+            _as_4d(q),
+            _as_4d(k),
+            _as_4d(v),
+            _as_4d(out),
+            lse.reshape(_as_4d(q).shape[:-1]),
+            0.0,
+            plan.mask(block, q.device) is not None,
+            scale=plan.scale,
+        )
+        return tuple(g.reshape(t.shape) for g, t in zip(grads, (q, k, v), strict=True))  # type: ignore[return-value]
+    p = torch.exp(_scores(q, k, plan, block) - lse[..., None])  # [..., S_r, S_block]
+    delta = (dout * out).sum(-1, keepdim=True)  # [..., S_r, 1]: rowsum(dO * O)
+    ds = p * (torch.matmul(dout, v.transpose(-1, -2)) - delta) * plan.scale
+    dv = torch.matmul(p.transpose(-1, -2), dout)
+    return torch.matmul(ds, k), torch.matmul(ds.transpose(-1, -2), q), dv
+
+
 def _forward(q: Tensor, k: Tensor, v: Tensor, plan: _Plan) -> tuple[Tensor, Tensor]:
-    """Online softmax over the blocks as they come round: (output, lse)."""
+    """Fold the blocks into one softmax as they come round: (output, lse)."""
     dk = k.shape[-1]
-    top = q.new_full(q.shape[:-1], -math.inf)  # [..., S_r] running maximum
-    total = q.new_zeros(q.shape[:-1])  # running sum of exp(score - top)
-    acc = q.new_zeros((*q.shape[:-1], v.shape[-1]))  # running sum of exp(score - top) * v
+    out = q.new_zeros((*q.shape[:-1], v.shape[-1]))
+    lse = q.new_full(q.shape[:-1], -math.inf)  # [..., S_r]: no key seen yet
     kv = torch.cat([k, v], dim=-1)  # one message per step
     for step in range(len(plan.sizes)):
         if step > 0:
@@ -116,17 +180,11 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, plan: _Plan) -> tuple[Tensor, Tens
         block = plan.holder(step)
         if plan.masked_out(block):
             continue
-        s = _scores(q, kv[..., :dk], plan, block)
-        new_top = torch.maximum(top, s.amax(-1))
-        safe = torch.where(torch.isinf(new_top), 0.0, new_top)  # a row with no key yet
-        p = torch.exp(s - safe[..., None])
-        rescale = torch.exp(top - safe)
-        total = total * rescale + p.sum(-1)
-        acc = acc * rescale[..., None] + torch.matmul(p, kv[..., dk:])
-        top = new_top
-    empty = total == 0  # only in an empty query block
-    out = acc / torch.where(empty, 1.0, total)[..., None]
-    lse = torch.where(empty, math.inf, torch.where(torch.isinf(top), 0.0, top) + total.log())
+        part, part_lse = _block_forward(q, kv[..., :dk], kv[..., dk:], plan, block)
+        new = torch.logaddexp(lse, part_lse)
+        # Rescale both to the new total; the running part's weight is 0 before any block.
+        out = out * torch.exp(lse - new)[..., None] + part * torch.exp(part_lse - new)[..., None]
+        lse = new
     return out, lse
 
 
@@ -134,7 +192,6 @@ def _backward(
     q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, plan: _Plan
 ) -> tuple[Tensor, Tensor, Tensor]:
     dk_width = k.shape[-1]
-    delta = (dout * out).sum(-1, keepdim=True)  # [..., S_r, 1]: rowsum(dO * O)
     dq = torch.zeros_like(q)
     kv = torch.cat([k, v], dim=-1)
     grads = torch.zeros_like(kv)  # the accumulator of the block this rank holds
@@ -146,12 +203,9 @@ def _backward(
         if plan.masked_out(block):
             continue
         kb, vb = kv[..., :dk_width], kv[..., dk_width:]
-        p = torch.exp(_scores(q, kb, plan, block) - lse[..., None])  # [..., S_r, S_block]
-        ds = p * (torch.matmul(dout, vb.transpose(-1, -2)) - delta) * plan.scale
-        dq = dq + torch.matmul(ds, kb)
-        grads = grads + torch.cat(
-            [torch.matmul(ds.transpose(-1, -2), q), torch.matmul(p.transpose(-1, -2), dout)], -1
-        )
+        dqb, dkb, dvb = _block_backward(q, kb, vb, out, lse, dout, plan, block)
+        dq = dq + dqb
+        grads = grads + torch.cat([dkb, dvb], -1)
     # After the last step this rank holds the block of rank + 1, whose accumulator is complete.
     grads = _shift(grads, plan, len(plan.sizes)) if len(plan.sizes) > 1 else grads
     # Two tensors of their own, not views of one (a custom op's outputs may not alias).
