@@ -1,7 +1,8 @@
 """Model-parallel patterns built on distgrad's collectives, each equal to one process.
 
 * Tensor and sequence parallelism: :func:`column_parallel_linear`,
-  :func:`row_parallel_linear`, Megatron's region operators :func:`copy_to_region` ("f") and
+  :func:`row_parallel_linear` (and their modules :class:`ColumnParallelLinear`,
+  :class:`RowParallelLinear`), Megatron's region operators :func:`copy_to_region` ("f") and
   :func:`reduce_from_region` ("g"), and :func:`gather_from_sequence` /
   :func:`reduce_scatter_to_sequence`.
 * Mixture of experts: :func:`route` (top-k, capacity, dropped tokens), :func:`dispatch` and
@@ -21,6 +22,8 @@ from distgrad.parallel._batchnorm import SyncBatchNorm, sync_batch_norm
 from distgrad.parallel._moe import Routing, combine, dispatch, route
 from distgrad.parallel._ring import ring_attention
 from distgrad.parallel._tensor import (
+    ColumnParallelLinear,
+    RowParallelLinear,
     column_parallel_linear,
     copy_to_region,
     gather_from_sequence,
@@ -30,7 +33,9 @@ from distgrad.parallel._tensor import (
 )
 
 __all__ = [
+    "ColumnParallelLinear",
     "Routing",
+    "RowParallelLinear",
     "SyncBatchNorm",
     "column_parallel_linear",
     "combine",

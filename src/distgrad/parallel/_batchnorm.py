@@ -30,10 +30,13 @@ def _global_stats(x: Tensor, group: ProcessGroup | None) -> tuple[Tensor, Tensor
     """(mean [C], biased var [C], n as a 0-dim tensor) over every rank's values of x."""
     size = resolve(group, "sync_batch_norm").size
     channels = x.shape[1]
-    values = x.transpose(0, 1).reshape(channels, -1)  # [C, n_r]
-    count = values.shape[1]
-    mean = values.sum(1) / max(count, 1)  # a rank with no rows sends zeros and a zero count
-    m2 = ((values - mean[:, None]) ** 2).sum(1)
+    dims = [0, *range(2, x.dim())]  # every dim but the channels'
+    count = x.numel() // channels if channels else 0
+    if count:
+        var, mean = torch.var_mean(x, dim=dims, correction=0)  # one pass, no copy of x
+        m2 = var * count
+    else:  # no rows: zeros and a zero count, still computed from x (so that they need a
+        mean = m2 = x.sum(dim=dims)  # gradient whenever x does, as on the other ranks)
     mine = torch.cat([mean.new_full((1,), float(count)), mean, m2])[None]  # [1, 2C + 1]
     table = all_gather(mine, group, sizes=[1] * size)  # [N, 2C + 1]
     counts, means, m2s = table[:, :1], table[:, 1 : channels + 1], table[:, channels + 1 :]
@@ -92,10 +95,14 @@ def sync_batch_norm(
             running_mean.lerp_(mean.to(running_mean.dtype), momentum)
             running_var.lerp_(unbiased.to(running_var.dtype), momentum)
     shape = (1, -1) + (1,) * (x.dim() - 2)
-    y = (x - mean.view(shape)) * torch.rsqrt(var + eps).view(shape)
+    # y = (x - mean) / sqrt(var + eps) * weight + bias, as x * scale + shift: one pass over x.
+    scale = torch.rsqrt(var + eps)
     if weight is not None:
-        y = y * weight.view(shape)
-    return y if bias is None else y + bias.view(shape)
+        scale = scale * weight
+    shift = -mean * scale
+    if bias is not None:
+        shift = shift + bias
+    return torch.addcmul(shift.view(shape), x, scale.view(shape))
 
 
 class SyncBatchNorm(_BatchNorm):

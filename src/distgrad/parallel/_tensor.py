@@ -27,15 +27,17 @@ from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 from torch.autograd.function import FunctionCtx
 
-from distgrad._group import ProcessGroup
+from distgrad._group import ProcessGroup, resolve
 from distgrad.collectives.all_gather import all_gather, reduce_scatter
 from distgrad.collectives.all_reduce import all_reduce
 
 __all__ = [
+    "ColumnParallelLinear",
     "Objective",
+    "RowParallelLinear",
     "column_parallel_linear",
     "copy_to_region",
     "gather_from_sequence",
@@ -199,3 +201,150 @@ def row_parallel_linear(
     else:
         y = all_reduce(partial, "sum", group, objective=objective)
     return y if bias is None else y + bias
+
+
+def _split(total: int, size: int, given: Sequence[int] | None, what: str) -> list[int]:
+    if given is None:
+        base, extra = divmod(total, size)
+        return [base + (1 if r < extra else 0) for r in range(size)]
+    if len(given) != size or sum(given) != total or min(given) < 0:
+        raise ValueError(
+            f"{what} must give each of the {size} ranks its number of features (non-negative, "
+            f"adding up to {total}), got {list(given)}"
+        )
+    return list(given)
+
+
+class ColumnParallelLinear(nn.Module):
+    """The output features of a linear layer split over the ranks: :func:`column_parallel_linear`
+    with this rank's ``weight`` ``[H_r, in_features]`` and ``bias`` ``[H_r]`` as parameters.
+
+    ``splits`` gives every rank's ``H_r`` (default: as even as possible, larger first).
+    :meth:`from_linear` takes this rank's rows of an existing ``nn.Linear``. Gradient and
+    communication: :func:`column_parallel_linear`.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        group: ProcessGroup | None = None,
+        *,
+        sequence_parallel: bool = False,
+        objective: Objective = "sum",
+        splits: Sequence[int] | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        _objective_problem(objective)
+        g = resolve(group, "ColumnParallelLinear")
+        self.splits = _split(out_features, g.size, splits, "ColumnParallelLinear: splits")
+        mine = self.splits[g.rank]
+        local = nn.Linear(in_features, mine, bias, device=device, dtype=dtype)
+        self.weight, self.bias = local.weight, local.bias
+        self.group, self.sequence_parallel, self.objective = group, sequence_parallel, objective
+
+    @classmethod
+    def from_linear(
+        cls, linear: nn.Linear, group: ProcessGroup | None = None, **options: Any
+    ) -> ColumnParallelLinear:
+        """This rank's rows of ``linear`` (copied), with the same options as the constructor."""
+        layer = cls(
+            linear.in_features,
+            linear.out_features,
+            linear.bias is not None,
+            group,
+            device=linear.weight.device,
+            dtype=linear.weight.dtype,
+            **options,
+        )
+        rows = _own(layer.splits, resolve(group).rank)
+        with torch.no_grad():
+            layer.weight.copy_(linear.weight[rows])
+            if layer.bias is not None and linear.bias is not None:
+                layer.bias.copy_(linear.bias[rows])
+        return layer
+
+    def forward(self, x: Tensor, sizes: Sequence[int] | None = None) -> Tensor:
+        """``sizes``: every rank's rows, with ``sequence_parallel`` (else exchanged)."""
+        return column_parallel_linear(
+            x,
+            self.weight,
+            self.bias,
+            self.group,
+            sequence_parallel=self.sequence_parallel,
+            sizes=sizes,
+            objective=self.objective,
+        )
+
+
+class RowParallelLinear(nn.Module):
+    """The input features of a linear layer split over the ranks: :func:`row_parallel_linear`
+    with this rank's ``weight`` ``[out_features, H_r]`` and the whole ``bias`` as parameters.
+
+    ``splits`` gives every rank's ``H_r`` (default: as even as possible, larger first, the
+    split :class:`ColumnParallelLinear` makes of the same width). :meth:`from_linear` takes
+    this rank's columns of an existing ``nn.Linear``. Gradient and communication:
+    :func:`row_parallel_linear`.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        group: ProcessGroup | None = None,
+        *,
+        sequence_parallel: bool = False,
+        objective: Objective = "sum",
+        splits: Sequence[int] | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        _objective_problem(objective)
+        g = resolve(group, "RowParallelLinear")
+        self.splits = _split(in_features, g.size, splits, "RowParallelLinear: splits")
+        local = nn.Linear(self.splits[g.rank], out_features, bias, device=device, dtype=dtype)
+        self.weight, self.bias = local.weight, local.bias
+        self.group, self.sequence_parallel, self.objective = group, sequence_parallel, objective
+
+    @classmethod
+    def from_linear(
+        cls, linear: nn.Linear, group: ProcessGroup | None = None, **options: Any
+    ) -> RowParallelLinear:
+        """This rank's columns of ``linear`` (copied; the bias whole)."""
+        layer = cls(
+            linear.in_features,
+            linear.out_features,
+            linear.bias is not None,
+            group,
+            device=linear.weight.device,
+            dtype=linear.weight.dtype,
+            **options,
+        )
+        cols = _own(layer.splits, resolve(group).rank)
+        with torch.no_grad():
+            layer.weight.copy_(linear.weight[:, cols])
+            if layer.bias is not None and linear.bias is not None:
+                layer.bias.copy_(linear.bias)
+        return layer
+
+    def forward(self, x: Tensor, sizes: Sequence[int] | None = None) -> Tensor:
+        """``sizes``: every rank's rows, with ``sequence_parallel`` (default an even split)."""
+        return row_parallel_linear(
+            x,
+            self.weight,
+            self.bias,
+            self.group,
+            sequence_parallel=self.sequence_parallel,
+            sizes=sizes,
+            objective=self.objective,
+        )
+
+
+def _own(splits: Sequence[int], rank: int) -> slice:
+    start = sum(splits[:rank])
+    return slice(start, start + splits[rank])
