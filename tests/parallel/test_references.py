@@ -7,7 +7,8 @@ summed over ranks are the reference's):
 * SyncBatchNorm against ``torch.nn.BatchNorm1d`` / ``BatchNorm2d`` on the whole batch over
   three training steps: outputs, input and affine gradients, ``running_mean``,
   ``running_var`` (torch's unbiased variance), ``num_batches_tracked`` (momentum 0.1 and
-  ``None``), then the output in eval mode; uneven per-rank batches with an empty rank.
+  ``None``), then the output in eval mode; also without affine parameters or running
+  statistics (batch statistics in eval too); uneven per-rank batches with an empty rank.
 * ring_attention against ``F.scaled_dot_product_attention`` on the whole sequence, causal and
   not, a custom scale, ``Dv != D``, float64 and float32.
 * route/dispatch/combine against a dense loop over every expert on one process, with the
@@ -94,9 +95,34 @@ def _bn_case(rank: int, sizes: list[int], shape: tuple[int, ...], momentum: floa
         return max(worst, _deviation(ours(_rows(full, sizes, rank)), want, "eval output"))
 
 
+def _bn_plain_case(rank: int, sizes: list[int]) -> float:
+    """affine=False, track_running_stats=False: batch statistics in training and in eval."""
+    ours = P.SyncBatchNorm(3, affine=False, track_running_stats=False, dtype=DT)
+    theirs = torch.nn.BatchNorm2d(3, affine=False, track_running_stats=False, dtype=DT)
+    assert ours.running_mean is None and not list(ours.parameters())
+    worst = 0.0
+    for mode in ("train", "eval"):
+        ours.train(mode == "train")
+        theirs.train(mode == "train")
+        g = _gen(200)
+        full = torch.randn(sum(sizes), 3, 2, 2, dtype=DT, generator=g)
+        cot = torch.randn(full.shape, dtype=DT, generator=g)
+        x, whole = _rows(full, sizes, rank).requires_grad_(), full.clone().requires_grad_()
+        y, want = ours(x), theirs(whole)
+        (y * _rows(cot, sizes, rank)).sum().backward()
+        (want * cot).sum().backward()
+        worst = max(
+            worst,
+            _deviation(y, _rows(want, sizes, rank), f"{mode}: output"),
+            _deviation(x.grad, _rows(whole.grad, sizes, rank), f"{mode}: input gradient"),  # type: ignore[arg-type]
+        )
+    return worst
+
+
 def _bn_against_torch(rank: int, n: int, sizes: list[int]) -> float:
     shapes = [(3, 4, 4), (5,), (5, 6)]  # BatchNorm2d, BatchNorm1d on [B, C] and [B, C, L]
-    return max(_bn_case(rank, sizes, s, m) for s in shapes for m in (0.1, None))
+    worst = max(_bn_case(rank, sizes, s, m) for s in shapes for m in (0.1, None))
+    return max(worst, _bn_plain_case(rank, sizes))
 
 
 @pytest.mark.parametrize(("n", "sizes"), [(2, [7, 2]), (3, [4, 0, 5]), (4, [1, 3, 0, 5])])
@@ -151,10 +177,13 @@ def test_ring_attention_matches_sdpa_on_the_whole_sequence(n: int, sizes: list[i
 # -- MoE against a dense loop over the experts ------------------------------------------------
 
 
-def dense_moe(model: pt.MoE, x: torch.Tensor, k: int, capacity: int | None) -> torch.Tensor:
+def dense_moe(
+    model: pt.MoE, x: torch.Tensor, k: int, capacity: int | None, normalize: bool
+) -> torch.Tensor:
     """Every expert on every token, masked: the reference, written without route()."""
     weights, chosen = torch.softmax(model.router(x), -1).topk(k, -1)
-    weights = weights / weights.sum(-1, keepdim=True)
+    if normalize:
+        weights = weights / weights.sum(-1, keepdim=True)
     taken = [0] * pt.EXPERTS
     keep = torch.zeros_like(chosen, dtype=torch.bool)
     for t in range(x.shape[0]):  # the global order: tokens in order, each token's choices
@@ -172,21 +201,23 @@ def dense_moe(model: pt.MoE, x: torch.Tensor, k: int, capacity: int | None) -> t
 def _moe_against_dense(rank: int, n: int, sizes: list[int]) -> float:
     ours, theirs = pt.MoE(), pt.MoE()
     worst = 0.0
-    settings: list[tuple[int, int | None, list[int] | None]] = [
-        (2, 3, None),
-        (1, None, [0] * (n - 1) + [pt.EXPERTS]),
-        (2, 1, None),
-        (3, 4, [pt.EXPERTS] + [0] * (n - 1)),
+    settings: list[tuple[int, int | None, list[int] | None, bool]] = [
+        (2, 3, None, True),
+        (1, None, [0] * (n - 1) + [pt.EXPERTS], True),
+        (2, 1, None, False),  # gate weights as the softmax gives them
+        (3, 4, [pt.EXPERTS] + [0] * (n - 1), True),
     ]
-    for step, (k, capacity, split) in enumerate(settings):  # the sizes change every step
+    for step, (k, capacity, split, normalize) in enumerate(settings):  # sizes change each step
         g = _gen(40 + step)
         full = torch.randn(sum(sizes), pt.D_MODEL, dtype=DT, generator=g)
         cot = torch.randn(full.shape, dtype=DT, generator=g)
         whole = full.clone().requires_grad_()
-        want = dense_moe(theirs, whole, k, capacity)
+        want = dense_moe(theirs, whole, k, capacity, normalize)
         (want * cot).sum().backward()
         x = _rows(full, sizes, rank).requires_grad_()
-        routing = P.route(ours.router(x), k, capacity=capacity, experts_per_rank=split)
+        routing = P.route(
+            ours.router(x), k, capacity=capacity, experts_per_rank=split, normalize=normalize
+        )
         got = pt.moe_layer(ours, x, routing)
         (got * _rows(cot, sizes, rank)).sum().backward()
         worst = max(
