@@ -87,28 +87,41 @@ def _tp_mlp(model: MLP, x: Tensor, **options: object) -> Tensor:
 
 
 def tp_loss(model: MLP, x: Tensor, v: Tensor) -> Tensor:
-    """Sequence parallel (rows sharded) and plain tensor parallel (rows replicated by an
-    all_gather), both under the sum contract; this rank's share of the loss."""
+    """Sequence parallel (rows sharded), plain tensor parallel (rows replicated by an
+    all_gather), and a sequence-parallel region split from replicated rows and gathered again,
+    all under the sum contract; this rank's share of the loss."""
     rows = row_counts(x)
     rank, _ = rank_and_size()
     sequence = _tp_mlp(model, x, sequence_parallel=True, sizes=rows)  # [T_r, D]
     everything = dg.all_gather(x, sizes=rows)  # [T, D] on every rank
     start = sum(rows[:rank])
     replicated = _tp_mlp(model, everything)[start : start + rows[rank]]
-    return (sequence * v).sum() + 2.0 * (replicated * v).sum()
+    # a sequence-parallel region entered from the replicated rows and left again
+    mine = P.split_to_sequence(everything, sizes=rows)
+    region = P.gather_from_sequence(_tp_mlp(model, mine, sequence_parallel=True, sizes=rows))
+    own = region[start : start + rows[rank]]
+    return (sequence * v).sum() + 2.0 * (replicated * v).sum() + 3.0 * (own * v).sum()
 
 
 def tp_megatron_loss(model: MLP, x: Tensor, v: Tensor) -> Tensor:
     """Megatron's replicated contract: every rank computes the same global loss, which counts
-    once. The row bias is left out: it would get the whole gradient on every rank (Megatron
-    does not sum it over the tensor-parallel group), which the checker would sum."""
+    once; plain tensor parallel, and a sequence-parallel region entered with Megatron's
+    scatter (split_to_sequence) and left with its gather. The row bias is left out: it would
+    get the whole gradient on every rank (Megatron does not sum it over the tensor-parallel
+    group), which the checker would sum."""
     everything = dg.all_gather(x, objective="replicated")
     cot = dg.all_gather(v, objective="replicated")
     cols = my_slice(HIDDEN)
     w1, b1, w2 = model.fc1.weight[cols], model.fc1.bias[cols], model.fc2.weight[:, cols]
     h = P.column_parallel_linear(everything, w1, b1, objective="replicated")
     y = P.row_parallel_linear(F.gelu(h), w2, objective="replicated")
-    return (y * cot).sum()
+    # Megatron's sequence-parallel region: scatter in, gather out (the loss still counts once)
+    rows = row_counts(x)
+    mine = P.split_to_sequence(everything, sizes=rows, objective="replicated")
+    h2 = P.column_parallel_linear(mine, w1, b1, sequence_parallel=True, sizes=rows)
+    y2 = P.row_parallel_linear(F.gelu(h2), w2, sequence_parallel=True, sizes=rows)
+    y2 = P.gather_from_sequence(y2, sizes=rows, objective="replicated")
+    return (y * cot).sum() + 2.0 * (y2 * cot).sum()
 
 
 class _GatherKeepOwnRows(torch.autograd.Function):

@@ -92,3 +92,10 @@ def test_convert_swaps_every_batch_norm_and_shares_its_state() -> None:
     )
     assert converted[0].weight is weight
     assert P.SyncBatchNorm.convert(converted)[0] is converted[0]
+
+
+def test_split_to_sequence_refuses_rows_that_do_not_split_evenly_without_sizes() -> None:
+    x = torch.zeros(5, 2, dtype=DT)
+    assert P.split_to_sequence(x).shape == (5, 2)  # one rank: every row
+    with pytest.raises(ValueError, match=r"sizes must give each of the 1 ranks its row count"):
+        P.split_to_sequence(x, sizes=[4])

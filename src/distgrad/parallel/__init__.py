@@ -3,8 +3,8 @@
 * Tensor and sequence parallelism: :func:`column_parallel_linear`,
   :func:`row_parallel_linear` (and their modules :class:`ColumnParallelLinear`,
   :class:`RowParallelLinear`), Megatron's region operators :func:`copy_to_region` ("f") and
-  :func:`reduce_from_region` ("g"), and :func:`gather_from_sequence` /
-  :func:`reduce_scatter_to_sequence`.
+  :func:`reduce_from_region` ("g"), and :func:`gather_from_sequence`,
+  :func:`reduce_scatter_to_sequence` and :func:`split_to_sequence`.
 * Mixture of experts: :func:`route` (top-k, capacity, dropped tokens), :func:`dispatch` and
   :func:`combine` (all_to_all with uneven sizes that change every step).
 * :func:`ring_attention`: exact attention over a sequence split across ranks, causal or not.
@@ -30,6 +30,7 @@ from distgrad.parallel._tensor import (
     reduce_from_region,
     reduce_scatter_to_sequence,
     row_parallel_linear,
+    split_to_sequence,
 )
 
 __all__ = [
@@ -47,5 +48,6 @@ __all__ = [
     "ring_attention",
     "route",
     "row_parallel_linear",
+    "split_to_sequence",
     "sync_batch_norm",
 ]

@@ -16,8 +16,10 @@ Two contracts (docs/semantics.md, docs/patterns.md):
   "g" (:func:`reduce_from_region`) passes the gradient through, and replicated parameters get
   the whole gradient on every rank (not to be summed over the tensor-parallel group).
 
-With sequence parallelism both contracts coincide: an all_gather on the way in (backward a
-reduce_scatter) and a reduce_scatter on the way out (backward an all_gather).
+Inside a sequence-parallel layer both contracts coincide: an all_gather on the way in
+(backward a reduce_scatter) and a reduce_scatter on the way out (backward an all_gather). At
+the edges of a sequence-parallel region, :func:`split_to_sequence` and
+:func:`gather_from_sequence` take the contract of the code around them.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ __all__ = [
     "reduce_from_region",
     "reduce_scatter_to_sequence",
     "row_parallel_linear",
+    "split_to_sequence",
 ]
 
 Objective = Literal["sum", "replicated"]
@@ -93,19 +96,92 @@ def reduce_from_region(x: Tensor, group: ProcessGroup | None = None) -> Tensor:
 
 
 def gather_from_sequence(
-    x: Tensor, group: ProcessGroup | None = None, *, sizes: Sequence[int] | None = None
+    x: Tensor,
+    group: ProcessGroup | None = None,
+    *,
+    sizes: Sequence[int] | None = None,
+    objective: Objective = "sum",
 ) -> Tensor:
     """Leave a sequence-parallel region: concatenate every rank's rows (dim 0) in rank order.
 
     ``sizes`` is every rank's row count ``T_r`` (uneven allowed); without it the ranks
     exchange their counts first.
 
-    Gradient (both contracts): the reduce-scatter of the gradient: each rank receives, for its
-    own rows, the sum over ranks of their gradients. ``x`` is not modified.
+    Gradient: under ``objective="sum"``, the reduce-scatter of the gradient: each rank
+    receives, for its own rows, the sum over ranks of their gradients (the adjoint of
+    :func:`reduce_scatter_to_sequence`); under ``"replicated"`` (every rank computes the same
+    loss from the result, counted once: Megatron's gather with no tensor-parallel output
+    gradient), this rank's rows of its own gradient, no communication (the adjoint of
+    :func:`split_to_sequence`). ``x`` is not modified.
 
-    Communication: forward 1 all_gather of [T_r, ...]; backward 1 reduce_scatter of [T, ...].
+    Communication: forward 1 all_gather of [T_r, ...]; backward 1 reduce_scatter of [T, ...]
+    under ``"sum"``, none under ``"replicated"``.
     """
-    return all_gather(x, group, dim=0, sizes=sizes)
+    _objective_problem(objective)
+    return all_gather(x, group, dim=0, sizes=sizes, objective=objective)
+
+
+class _SplitReplicated(torch.autograd.Function):
+    """Megatron's scatter to the sequence-parallel region: keep this rank's rows forward; the
+    backward gathers every rank's row gradients, so each rank holds the whole gradient."""
+
+    @staticmethod
+    def forward(
+        ctx: FunctionCtx, x: Tensor, sizes: tuple[int, ...], rank: int, group: ProcessGroup | None
+    ) -> Tensor:
+        ctx.sizes, ctx.group = sizes, group  # type: ignore[attr-defined]
+        return x.narrow(0, sum(sizes[:rank]), sizes[rank]).clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        # The partner op, so double backward follows the same contract.
+        return (
+            gather_from_sequence(grad, ctx.group, sizes=ctx.sizes, objective="replicated"),
+            None,
+            None,
+            None,
+        )
+
+
+def split_to_sequence(
+    x: Tensor,
+    group: ProcessGroup | None = None,
+    *,
+    sizes: Sequence[int] | None = None,
+    objective: Objective = "sum",
+) -> Tensor:
+    """Enter a sequence-parallel region from a tensor every rank holds whole: keep this rank's
+    rows (dim 0).
+
+    ``sizes`` is every rank's row count (default: an even split, which needs ``x.shape[0]`` to
+    divide by the group size).
+
+    Gradient: under ``objective="sum"`` the gradient of this rank's rows, zeros elsewhere (a
+    slice: each rank's part of a replicated tensor; the collective that replicated ``x`` sums
+    them); under ``"replicated"`` (Megatron's scatter to the sequence-parallel region) every
+    rank's row gradients gathered, the whole gradient on every rank. ``x`` is not modified.
+
+    Communication: forward none; backward none under ``"sum"``, 1 all_gather of [T_r, ...]
+    under ``"replicated"``.
+    """
+    _objective_problem(objective)
+    g = resolve(group, "split_to_sequence")
+    rows = x.shape[0] if x.dim() else 0
+    if sizes is None:
+        if rows % g.size:
+            raise ValueError(
+                f"split_to_sequence: {rows} rows do not split evenly over {g.size} ranks; "
+                "pass sizes= (every rank's row count)"
+            )
+        sizes = [rows // g.size] * g.size
+    if len(sizes) != g.size or sum(sizes) != rows or min(sizes) < 0:
+        raise ValueError(
+            f"split_to_sequence: sizes must give each of the {g.size} ranks its row count "
+            f"(non-negative, adding up to the {rows} rows of x), got {list(sizes)}"
+        )
+    if objective == "replicated" and g.size > 1:
+        return _SplitReplicated.apply(x, tuple(sizes), g.rank, group)  # type: ignore[no-untyped-call,no-any-return]
+    return x.narrow(0, sum(sizes[: g.rank]), sizes[g.rank])
 
 
 def reduce_scatter_to_sequence(
