@@ -3,6 +3,7 @@ write by hand, on the same 2 gloo ranks, in paired rounds.
 
     python benchmarks/parallel.py                # 40 rounds per pattern (a few minutes on 2 cores)
     python benchmarks/parallel.py --rounds 5     # a quick run
+    python benchmarks/parallel.py --memory       # peak extra memory per rank instead
 
 The hand-written versions (each exact: the benchmark compares speed, not correctness):
 
@@ -25,13 +26,16 @@ After two warm-up steps of each version, every round runs both versions in a ran
 (the same on both ranks); each is timed from a barrier to a barrier after its backward, so the
 time is the slower rank's. The ratio is the median over rounds of distgrad's time over the
 hand-written version's time *in the same round*, so that a slow stretch of the shared machine
-slows both sides of a ratio. Float32.
+slows both sides of a ratio. Float32. ``--memory``: each version once in two fresh rank
+processes; the growth of the rank's resident high-water mark (``ru_maxrss``) over one
+forward+backward, inputs excluded, the larger of the two ranks.
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import resource
 import statistics
 import time
 import warnings
@@ -167,8 +171,11 @@ def _moe(rank: int, n: int, gen: torch.Generator) -> tuple[Step, Step, str]:
     return ours, hand, f"MoE top-2, {tokens} tokens per rank, width {width}, {experts} experts"
 
 
+RING_SEQ = 4096  # --ring-seq changes it
+
+
 def _ring(rank: int, n: int, gen: torch.Generator) -> tuple[Step, Step, str]:
-    batch, heads, seq, dim = 1, 8, 4096, 64
+    batch, heads, seq, dim = 1, 8, RING_SEQ, 64
     s = seq // n
     q, k, v = (_leaf(batch, heads, s, dim, gen=gen) for _ in range(3))
     cot = torch.randn(batch, heads, s, dim, generator=gen)
@@ -228,7 +235,9 @@ def _timed(step: Step) -> float:
     return time.perf_counter() - start
 
 
-def _rank(rank: int, n: int, case: str, rounds: int) -> dict[str, object]:
+def _rank(rank: int, n: int, case: str, rounds: int, ring_seq: int) -> dict[str, object]:
+    global RING_SEQ
+    RING_SEQ = ring_seq
     warnings.simplefilter("ignore")  # torch.distributed.nn's deprecation warning
     torch.set_num_threads(1)
     ours, hand, what = CASES[case](rank, n, torch.Generator().manual_seed(rank))
@@ -248,16 +257,52 @@ def _rank(rank: int, n: int, case: str, rounds: int) -> dict[str, object]:
     return {"what": what, **times}
 
 
+def _peak_mib(rank: int, n: int, case: str, variant: str, ring_seq: int) -> float:
+    """Growth of this rank's resident high-water mark over one forward+backward, in MiB."""
+    global RING_SEQ
+    RING_SEQ = ring_seq
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)
+    ours, hand, _ = CASES[case](rank, n, torch.Generator().manual_seed(rank))
+    step = ours if variant == "ours" else hand
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    step().backward()
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024  # Linux: KiB
+
+
+def _memory(cases: list[str], n: int, ring_seq: int) -> list[str]:
+    """Each version in fresh rank processes, so no earlier allocation is counted."""
+    rows = []
+    for case in cases:
+        peaks = {
+            v: max(run_on_ranks(_peak_mib, n, args=(case, v, ring_seq), timeout=1800))
+            for v in ("hand", "ours")
+        }
+        rows.append(f"| {case} | {peaks['hand']:.0f} | {peaks['ours']:.0f} |")
+        print(rows[-1], flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--output", type=Path, default=None)
     parser.add_argument("--cases", default=",".join(CASES), help="comma-separated case names")
+    parser.add_argument(
+        "--memory", action="store_true", help="peak extra memory per rank instead of time"
+    )
+    parser.add_argument("--ring-seq", type=int, default=RING_SEQ, help="ring attention's length")
     args = parser.parse_args()
+    if args.memory:
+        print("| pattern | hand-written torch (MiB) | distgrad.parallel (MiB) |")
+        _memory(args.cases.split(","), args.world_size, args.ring_seq)
+        return
     rows = []
     for case in args.cases.split(","):
-        found = run_on_ranks(_rank, args.world_size, args=(case, args.rounds), timeout=1800)[0]
+        found = run_on_ranks(
+            _rank, args.world_size, args=(case, args.rounds, args.ring_seq), timeout=1800
+        )[0]
         ours, hand = found["ours"], found["hand"]
         ratios = sorted(a / b for a, b in zip(ours, hand, strict=True))
         q = len(ratios) // 4

@@ -238,3 +238,18 @@ def _moe_against_dense(rank: int, n: int, sizes: list[int]) -> float:
 def test_moe_matches_a_dense_loop_over_experts(n: int, sizes: list[int]) -> None:
     worst = max(run_on_ranks(_moe_against_dense, n, args=(sizes,)))
     assert worst < 1e-10
+
+
+def _ring_saves_only_this_rank_s_blocks(rank: int, n: int) -> int:
+    s = 3
+    q, k, v = (torch.randn(2, 2, s, 4, dtype=DT, requires_grad=True) for _ in range(3))
+    out = P.ring_attention(q, k, v, causal=True, sizes=[s] * n)
+    saved = out.grad_fn.saved_tensors  # type: ignore[union-attr]
+    (out * torch.randn_like(out)).sum().backward()  # every rank runs its backward
+    return sum(t.numel() for t in saved)
+
+
+def test_ring_attention_keeps_only_this_rank_s_blocks_for_backward() -> None:
+    """Memory: what the backward keeps is this rank's q, k, v, output and log-sum-exp
+    (4 x 48 + 12 values), never another rank's keys and values, whatever the ring's length."""
+    assert run_on_ranks(_ring_saves_only_this_rank_s_blocks, 4) == [4 * 48 + 12] * 4
