@@ -120,6 +120,9 @@ def _bn_plain_case(rank: int, sizes: list[int]) -> float:
 
 
 def _bn_against_torch(rank: int, n: int, sizes: list[int]) -> float:
+    # Why this exists: torch's own SyncBatchNorm refuses CPU tensors under a process group.
+    with pytest.raises(ValueError, match="SyncBatchNorm expected input tensor to be on GPU"):
+        torch.nn.SyncBatchNorm(3)(torch.randn(4, 3))
     shapes = [(3, 4, 4), (5,), (5, 6)]  # BatchNorm2d, BatchNorm1d on [B, C] and [B, C, L]
     worst = max(_bn_case(rank, sizes, s, m) for s in shapes for m in (0.1, None))
     return max(worst, _bn_plain_case(rank, sizes))
