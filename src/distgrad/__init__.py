@@ -6,7 +6,7 @@ The objective every gradient refers to is the sum over ranks of what each rank b
 
 from __future__ import annotations
 
-from distgrad import errors, losses, rpc, testing
+from distgrad import errors, losses, parallel, rpc, testing
 from distgrad._meta import set_debug
 from distgrad.collectives import (
     all_gather,
@@ -28,6 +28,7 @@ __all__ = [
     "errors",
     "gather",
     "losses",
+    "parallel",
     "permute",
     "reduce",
     "reduce_scatter",

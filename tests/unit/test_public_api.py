@@ -18,6 +18,7 @@ PUBLIC = [
     "errors",
     "gather",
     "losses",
+    "parallel",
     "permute",
     "reduce",
     "reduce_scatter",

@@ -1,0 +1,235 @@
+"""Mixture-of-experts dispatch and combine over an expert-parallel group.
+
+Legend: ``N`` ranks; ``E`` experts in all, ``E_r`` of them on rank r (global expert ids are
+numbered rank by rank: rank 0 holds experts ``0..E_0-1``, and so on); ``T_r`` tokens on rank
+r; ``k`` experts chosen per token; an *assignment* is one (token, choice) pair; ``A_r`` the
+assignments rank r keeps and sends; ``R_r`` the rows rank r receives for its experts.
+
+A step is three calls::
+
+    routing = route(logits, k=2, capacity=8)            # [T_r, E] router logits -> decision
+    rows = dispatch(x, routing)                         # [R_r, D], grouped by local expert
+    outs = [experts[e](part) for e, part in zip(routing.local_experts,
+                                                rows.split(routing.expert_sizes))]
+    y = combine(torch.cat(outs), routing)               # [T_r, D_out]
+
+The decision is the same whether the batch sits on one process or is sharded in rank order,
+so the distributed layer equals the single-process one: an expert with ``capacity`` keeps the
+first ``capacity`` assignments of the *global* batch (token order, then choice order; a
+token's second choice can take a place before a later token's first), which takes one small
+exchange of every rank's per-expert counts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from distgrad._group import Group, ProcessGroup, resolve
+from distgrad.collectives.all_gather import all_gather
+from distgrad.collectives.all_to_all import all_to_all
+
+__all__ = ["Routing", "combine", "dispatch", "route"]
+
+
+@dataclass(frozen=True)
+class Routing:
+    """One step's routing decision on this rank, made by :func:`route`.
+
+    Only ``weights`` carries gradient (to the router's logits); everything else is integer
+    bookkeeping, computed once and used by both :func:`dispatch` and :func:`combine`.
+    """
+
+    group: ProcessGroup | None
+    #: [T_r, k] the expert each token chose, global ids; [T_r, k] whether the choice was kept
+    #: (False: the expert was full; that choice contributes nothing).
+    experts: Tensor
+    kept: Tensor
+    #: [A_r] the token of each kept assignment, in the order they are sent (by expert); its
+    #: gate weight, differentiable.
+    tokens: Tensor
+    weights: Tensor
+    send_sizes: tuple[int, ...]  # assignments sent to each rank
+    recv_sizes: tuple[int, ...]  # rows received from each rank
+    #: [R_r] which received row goes where once grouped by local expert (sources in rank order
+    #: within an expert).
+    by_expert: Tensor
+    #: This rank's experts (global ids) and the rows each receives, in that order.
+    local_experts: range
+    expert_sizes: tuple[int, ...]
+    #: What dispatch returned, so that combine can tie an empty output to it (below).
+    dispatched: list[Tensor] = field(default_factory=list, repr=False, compare=False)
+
+
+def _split_experts(num_experts: int, size: int, given: Sequence[int] | None) -> list[int]:
+    if given is None:
+        base, extra = divmod(num_experts, size)
+        return [base + (1 if r < extra else 0) for r in range(size)]
+    given = list(given)
+    if len(given) != size or sum(given) != num_experts or min(given) < 0:
+        raise ValueError(
+            f"route: experts_per_rank must give each of the {size} ranks its number of "
+            f"experts (non-negative, adding up to the {num_experts} experts, the logits' last "
+            f"dim), got {given}"
+        )
+    return given
+
+
+def route(
+    logits: Tensor,
+    k: int = 1,
+    group: ProcessGroup | None = None,
+    *,
+    capacity: int | None = None,
+    experts_per_rank: Sequence[int] | None = None,
+    normalize: bool = True,
+) -> Routing:
+    """Choose ``k`` experts per token from router ``logits`` ``[T_r, E]`` (this rank's tokens).
+
+    Gate weights are the softmax over all ``E`` experts of each token's logits, taken at its
+    top ``k`` (renormalised to sum to 1 over the ``k`` when ``normalize``). ``capacity``: the
+    most assignments an expert takes from the whole global batch (``None``: no limit); the
+    first ones in global order are kept (every rank's tokens in rank order, each token's
+    choices in order), the rest dropped. ``experts_per_rank``: ``E_r`` for every rank
+    (default: as even as possible, larger first; a rank may hold none). ``logits`` is not
+    modified.
+
+    Gradient: through ``Routing.weights`` only (the choice itself is not differentiable).
+
+    Communication: 1 all_gather of every rank's per-expert counts (``E`` int64 each), read on
+    the host: the split sizes change every step.
+    """
+    if logits.dim() != 2:
+        raise ValueError(
+            f"route: logits must be [tokens, experts], got shape {tuple(logits.shape)}"
+        )
+    num_experts = logits.shape[1]
+    if not 1 <= k <= num_experts:
+        raise ValueError(f"route: k must be between 1 and the {num_experts} experts, got {k}")
+    if capacity is not None and capacity < 0:
+        raise ValueError(f"route: capacity must be None or at least 0, got {capacity}")
+    g = resolve(group, "route")
+    split = _split_experts(num_experts, g.size, experts_per_rank)
+    gates = torch.softmax(logits, dim=-1)
+    top_w, top_e = gates.topk(k, dim=-1)  # [T_r, k]
+    if normalize:
+        top_w = top_w / top_w.sum(-1, keepdim=True)
+    flat = top_e.reshape(-1)  # [T_r k]: token-major, then choice
+    hits = F.one_hot(flat, num_experts)  # [T_r k, E]
+    counts = hits.sum(0)  # [E] assignments per expert on this rank
+    # table[s, e]: rank s's assignments to expert e; one exchange gives every rank the sizes.
+    table = all_gather(counts[None], group, sizes=[1] * g.size).cpu()  # [N, E]
+    before = table.cumsum(0) - table  # [N, E]: assignments from earlier ranks
+    limit = int(table.sum()) if capacity is None else capacity
+    kept_table = (limit - before).clamp(0, None).minimum(table)  # [N, E]
+    place = (hits.cumsum(0) - 1).gather(1, flat[:, None]).squeeze(1)  # rank among this rank's
+    place = place + before[g.rank].to(flat.device)[flat]  # ... and in the global order
+    kept = place < limit
+    chosen = torch.nonzero(kept).squeeze(1)
+    order = chosen[torch.argsort(flat[chosen], stable=True)]  # kept, grouped by expert
+    return _plan(g, group, split, top_e, kept.view_as(top_e), order, top_w, kept_table)
+
+
+def _plan(
+    g: Group,
+    group: ProcessGroup | None,
+    split: list[int],
+    top_e: Tensor,
+    kept: Tensor,
+    order: Tensor,
+    top_w: Tensor,
+    kept_table: Tensor,
+) -> Routing:
+    """Sizes and orders from the kept-assignment table ``kept_table`` [N, E]."""
+    k = top_e.shape[1]
+    first = [sum(split[:r]) for r in range(g.size + 1)]
+    per_rank = torch.stack(
+        [kept_table[:, first[r] : first[r + 1]].sum(1) for r in range(g.size)], 1
+    )  # [N source, N destination]
+    mine = kept_table[:, first[g.rank] : first[g.rank + 1]]  # [N source, E_r]
+    # Received rows come source by source, each source's rows by expert; regroup by expert
+    # (stable: a segment's rows keep their order).
+    sources, experts = mine.shape
+    segment = torch.repeat_interleave(torch.arange(sources * experts), mine.reshape(-1))
+    source, expert = segment // max(experts, 1), segment % max(experts, 1)
+    by_expert = torch.argsort(expert * sources + source, stable=True)
+    return Routing(
+        group=group,
+        experts=top_e,
+        kept=kept,
+        tokens=(order // k),
+        weights=top_w.reshape(-1)[order],
+        send_sizes=tuple(int(n) for n in per_rank[g.rank].tolist()),
+        recv_sizes=tuple(int(n) for n in per_rank[:, g.rank].tolist()),
+        by_expert=by_expert.to(top_e.device),
+        local_experts=range(first[g.rank], first[g.rank + 1]),
+        expert_sizes=tuple(int(n) for n in mine.sum(0).tolist()),
+    )
+
+
+def dispatch(x: Tensor, routing: Routing) -> Tensor:
+    """Send each kept assignment's token row to the rank of its expert.
+
+    ``x`` is this rank's ``[T_r, D]`` tokens; returns ``[R_r, D]``, the rows for this rank's
+    experts grouped by expert (``routing.expert_sizes`` rows each, in
+    ``routing.local_experts`` order; within an expert, source ranks in order). A token chosen
+    by two experts is sent twice; a dropped choice is not sent. ``x`` is not modified.
+
+    Gradient: each received row's gradient goes back to its source token; a token's gradients
+    from its several experts add up.
+
+    Communication: forward 1 all_to_all of [A_r, D] with the routing's sizes (no size
+    exchange); backward 1 all_to_all of [R_r, D].
+    """
+    rows = x.index_select(0, routing.tokens)  # [A_r, D], by destination expert
+    got = all_to_all(
+        rows, routing.group, input_sizes=routing.send_sizes, output_sizes=routing.recv_sizes
+    )
+    rows = got.index_select(0, routing.by_expert)
+    routing.dispatched[:] = [rows]
+    return rows
+
+
+def combine(y: Tensor, routing: Routing) -> Tensor:
+    """Bring the experts' outputs home and add them up per token, weighted by the gates.
+
+    ``y`` is ``[R_r, D_out]``, the outputs for the rows :func:`dispatch` returned, in the same
+    order (a rank that holds no experts passes an empty ``[0, D_out]`` tensor). Returns
+    ``[T_r, D_out]``: for each token, the sum over its kept choices of gate
+    weight times expert output (zeros for a token whose every choice was dropped). ``y`` is
+    not modified.
+
+    Gradient: to ``y`` (each expert output's gradient goes back to the expert's rank) and to
+    ``routing.weights`` (and through it to the router's logits).
+
+    Communication: forward 1 all_to_all of [R_r, D_out]; backward 1 all_to_all of
+    [A_r, D_out].
+    """
+    if y.shape[0] != routing.by_expert.shape[0]:
+        raise ValueError(
+            f"combine: y must have the {routing.by_expert.shape[0]} rows dispatch returned "
+            f"on this rank, got {y.shape[0]}"
+        )
+    if y.shape[0] == 0 and routing.dispatched:
+        # No rows here (a rank that holds no experts, or whose experts got no tokens): an
+        # empty y made from scratch would leave dispatch's output out of the loss, so this
+        # rank would skip dispatch's backward all_to_all, which its peers run. Tie it in.
+        y = y + routing.dispatched[0].sum().to(y.dtype)
+    if not y.requires_grad and torch.is_grad_enabled() and routing.weights.requires_grad:
+        # Every rank's all_to_all input must require grad, or none's.
+        y = y.detach().requires_grad_(True)
+    by_source = torch.empty_like(routing.by_expert)
+    by_source[routing.by_expert] = torch.arange(len(by_source), device=by_source.device)
+    back = all_to_all(
+        y.index_select(0, by_source),
+        routing.group,
+        input_sizes=routing.recv_sizes,
+        output_sizes=routing.send_sizes,
+    )  # [A_r, D_out], in the order dispatch sent them
+    out = back.new_zeros((routing.kept.shape[0], *back.shape[1:]))
+    weighted = back * routing.weights.to(back.dtype).view(-1, *[1] * (back.dim() - 1))
+    return out.index_add(0, routing.tokens, weighted)

@@ -1,0 +1,347 @@
+"""Ring attention: exact softmax attention over a sequence split in blocks across the ranks.
+
+Legend: ``N`` ranks; rank r holds the ``S_r`` consecutive positions starting at
+``o_r = S_0 + ... + S_{r-1}`` (uneven and empty blocks allowed); ``q`` ``[..., S_r, D]``,
+``k`` ``[..., S_r, D]``, ``v`` ``[..., S_r, Dv]``; ``lse`` the log-sum-exp of a query's scores.
+
+Algorithm (the queries stay, the keys and values travel): at step t rank r holds the key and
+value block of rank ``(r - t) mod N`` and folds it into its running softmax (the maximum, the
+sum of exponentials and the weighted values, rescaled when the maximum grows), then passes
+the block on to rank r + 1. With ``causal``, a block that lies wholly after this rank's
+queries is passed on without computing (its scores are all masked), and the block of the
+rank itself is masked on and above the diagonal.
+
+Each block goes through torch's fused CPU attention kernel when it can (float32 or float64,
+``Dv == D``: a tiled kernel that returns the block's log-sum-exp and never holds its
+``[S_r, S_block]`` scores), through plain matmuls otherwise; the blocks' partial outputs are
+merged by their log-sum-exps.
+
+The backward recomputes each block from the saved output and log-sum-exp (as FlashAttention
+does) and sends the blocks round the same ring again, each *with its gradient accumulator*:
+every rank adds its queries' contribution to the block's ``dk`` and ``dv``, and one last shift
+brings the accumulator home to the block's owner. The gradients thus travel with the blocks
+and reach their owner from the rank before it.
+
+Choice: a custom autograd function, not a composition of differentiable ``dg.permute`` calls.
+A composition would keep every block that went round the ring (all of K and V, and every
+block's probabilities) for the backward; this keeps only this rank's ``q``, ``k``, ``v``, the
+output and ``lse``, plus two blocks in flight. It is not twice differentiable.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.autograd.function import FunctionCtx, once_differentiable
+
+from distgrad import _ops
+from distgrad._group import Group, ProcessGroup, resolve
+from distgrad.collectives.all_gather import all_gather
+from distgrad.collectives.permute import permute
+
+__all__ = ["ring_attention"]
+
+
+@dataclass(frozen=True)
+class _Plan:
+    group: Group
+    sizes: tuple[int, ...]  # every rank's S_r
+    causal: bool
+    scale: float
+
+    @property
+    def rank(self) -> int:
+        return self.group.rank
+
+    def args(self) -> tuple[list[int], bool, float, str]:
+        """The plan as a custom op's arguments (the group by its registered name)."""
+        return list(self.sizes), self.causal, self.scale, self.group.name
+
+    @staticmethod
+    def of(sizes: list[int], causal: bool, scale: float, group: str) -> _Plan:
+        return _Plan(_ops.group_named(group), tuple(sizes), causal, scale)
+
+    @property
+    def ring(self) -> list[int]:
+        n = len(self.sizes)
+        return [(r + 1) % n for r in range(n)]
+
+    def holder(self, step: int) -> int:
+        """Whose block this rank holds at ``step``."""
+        return (self.rank - step) % len(self.sizes)
+
+    def offset(self, rank: int) -> int:
+        return sum(self.sizes[:rank])
+
+    def masked_out(self, block: int) -> bool:
+        """True when no score of ``block`` survives: causal and wholly after the queries, or
+        an empty block or query set."""
+        if self.sizes[block] == 0 or self.sizes[self.rank] == 0:
+            return True
+        return (
+            self.causal and self.offset(block) > self.offset(self.rank) + self.sizes[self.rank] - 1
+        )
+
+    def mask(self, block: int, device: torch.device) -> Tensor | None:
+        """[S_r, S_block] True where a key comes after its query; None when none does."""
+        if not self.causal or self.offset(block) + self.sizes[block] - 1 <= self.offset(self.rank):
+            return None
+        queries = self.offset(self.rank) + torch.arange(self.sizes[self.rank], device=device)
+        keys = self.offset(block) + torch.arange(self.sizes[block], device=device)
+        return keys[None, :] > queries[:, None]
+
+
+def _shift(block: Tensor, plan: _Plan, step: int) -> Tensor:
+    """Pass ``block`` to the next rank; receive the block of ``holder(step)``."""
+    shape = (*block.shape[:-2], plan.sizes[plan.holder(step)], block.shape[-1])
+    return permute(block, plan.ring, plan.group.pg, recv_shape=shape)
+
+
+def _scores(q: Tensor, k: Tensor, plan: _Plan, block: int) -> Tensor:
+    s = torch.matmul(q, k.transpose(-1, -2)) * plan.scale  # [..., S_r, S_block]
+    mask = plan.mask(block, q.device)
+    return s if mask is None else s.masked_fill(mask, -math.inf)
+
+
+def _fused(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether a block can go through torch's fused CPU attention kernel (FlashAttention-style,
+    tiled: no [S_r, S_block] scores in memory), which also returns the log-sum-exp."""
+    return (
+        q.device.type == "cpu"
+        and q.dtype in (torch.float32, torch.float64)
+        and k.shape[-1] == v.shape[-1]  # the kernel needs one head size
+    )
+
+
+def _as_4d(t: Tensor) -> Tensor:
+    return t if t.dim() == 4 else t.reshape(-1, 1, *t.shape[-2:])
+
+
+def _block_forward(
+    q: Tensor, k: Tensor, v: Tensor, plan: _Plan, block: int
+) -> tuple[Tensor, Tensor]:
+    """One block's attention output [..., S_r, Dv] and log-sum-exp [..., S_r]."""
+    if _fused(q, k, v):
+        # A causal block is this rank's own: square, masked above the diagonal.
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            _as_4d(q),
+            _as_4d(k),
+            _as_4d(v),
+            0.0,
+            plan.mask(block, q.device) is not None,
+            scale=plan.scale,
+        )
+        return out.reshape(*q.shape[:-1], v.shape[-1]), lse.reshape(q.shape[:-1])
+    s = _scores(q, k, plan, block)
+    top = s.amax(-1, keepdim=True)  # every row keeps a key: its own position at least
+    p = torch.exp(s - top)
+    total = p.sum(-1, keepdim=True)
+    return torch.matmul(p, v) / total, (top + total.log()).squeeze(-1)
+
+
+def _block_backward(
+    q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, plan: _Plan, block: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """One block's share of (dq, dk, dv), given the *whole* output and log-sum-exp."""
+    if _fused(q, k, v):
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            _as_4d(dout),
+            _as_4d(q),
+            _as_4d(k),
+            _as_4d(v),
+            _as_4d(out),
+            lse.reshape(_as_4d(q).shape[:-1]),
+            0.0,
+            plan.mask(block, q.device) is not None,
+            scale=plan.scale,
+        )
+        return tuple(g.reshape(t.shape) for g, t in zip(grads, (q, k, v), strict=True))  # type: ignore[return-value]
+    p = torch.exp(_scores(q, k, plan, block) - lse[..., None])  # [..., S_r, S_block]
+    delta = (dout * out).sum(-1, keepdim=True)  # [..., S_r, 1]: rowsum(dO * O)
+    ds = p * (torch.matmul(dout, v.transpose(-1, -2)) - delta) * plan.scale
+    dv = torch.matmul(p.transpose(-1, -2), dout)
+    return torch.matmul(ds, k), torch.matmul(ds.transpose(-1, -2), q), dv
+
+
+def _forward(q: Tensor, k: Tensor, v: Tensor, plan: _Plan) -> tuple[Tensor, Tensor]:
+    """Fold the blocks into one softmax as they come round: (output, lse)."""
+    dk = k.shape[-1]
+    out = q.new_zeros((*q.shape[:-1], v.shape[-1]))
+    lse = q.new_full(q.shape[:-1], -math.inf)  # [..., S_r]: no key seen yet
+    kv = torch.cat([k, v], dim=-1)  # one message per step
+    for step in range(len(plan.sizes)):
+        if step > 0:
+            kv = _shift(kv, plan, step)
+        block = plan.holder(step)
+        if plan.masked_out(block):
+            continue
+        part, part_lse = _block_forward(q, kv[..., :dk], kv[..., dk:], plan, block)
+        new = torch.logaddexp(lse, part_lse)
+        # Rescale both to the new total; the running part's weight is 0 before any block.
+        out = out * torch.exp(lse - new)[..., None] + part * torch.exp(part_lse - new)[..., None]
+        lse = new
+    return out, lse
+
+
+def _backward(
+    q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, plan: _Plan
+) -> tuple[Tensor, Tensor, Tensor]:
+    dk_width = k.shape[-1]
+    dq = torch.zeros_like(q)
+    kv = torch.cat([k, v], dim=-1)
+    grads = torch.zeros_like(kv)  # the accumulator of the block this rank holds
+    for step in range(len(plan.sizes)):
+        if step > 0:
+            both = _shift(torch.cat([kv, grads], dim=-1), plan, step)
+            kv, grads = both[..., : kv.shape[-1]], both[..., kv.shape[-1] :]
+        block = plan.holder(step)
+        if plan.masked_out(block):
+            continue
+        kb, vb = kv[..., :dk_width], kv[..., dk_width:]
+        dqb, dkb, dvb = _block_backward(q, kb, vb, out, lse, dout, plan, block)
+        dq = dq + dqb
+        grads = grads + torch.cat([dkb, dvb], -1)
+    # After the last step this rank holds the block of rank + 1, whose accumulator is complete.
+    grads = _shift(grads, plan, len(plan.sizes)) if len(plan.sizes) > 1 else grads
+    # Two tensors of their own, not views of one (a custom op's outputs may not alias).
+    return dq, grads[..., :dk_width].clone(), grads[..., dk_width:].clone()
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: FunctionCtx, q: Tensor, k: Tensor, v: Tensor, plan: _Plan) -> Tensor:
+        if _ops.traced(plan.group):  # one opaque node for torch.compile, as distgrad's ops
+            out, lse = torch.ops.distgrad.ring_attention(q, k, v, *plan.args(), _ops.order_token(q))
+        else:
+            out, lse = _forward(q, k, v, plan)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.plan = plan  # type: ignore[attr-defined]
+        return out  # type: ignore[no-any-return]
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor, Tensor, Tensor, None]:
+        q, k, v, out, lse = ctx.saved_tensors
+        plan: _Plan = ctx.plan
+        dout = dout.contiguous()
+        if _ops.traced(plan.group):
+            dq, dk, dv = torch.ops.distgrad.ring_attention_backward(
+                q, k, v, out, lse, dout, *plan.args(), _ops.order_token(q)
+            )
+        else:
+            dq, dk, dv = _backward(q, k, v, out, lse, dout, plan)
+        return dq, dk, dv, None
+
+
+# The passes as torch.library custom ops, for torch.compile: the same code runs, as one node
+# whose fake kernel gives the output shapes; the token keeps every rank's exchanges in
+# program order (distgrad._ops).
+
+
+@torch.library.custom_op("distgrad::ring_attention", mutates_args=("token",))
+def _ring_attention_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    sizes: list[int],
+    causal: bool,
+    scale: float,
+    group: str,
+    token: Tensor,
+) -> tuple[Tensor, Tensor]:
+    return _forward(q, k, v, _Plan.of(sizes, causal, scale, group))
+
+
+@_ring_attention_op.register_fake
+def _(q: Tensor, k: Tensor, v: Tensor, *plan: object) -> tuple[Tensor, Tensor]:
+    return q.new_empty((*q.shape[:-1], v.shape[-1])), q.new_empty(q.shape[:-1])
+
+
+@torch.library.custom_op("distgrad::ring_attention_backward", mutates_args=("token",))
+def _ring_attention_backward_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    dout: Tensor,
+    sizes: list[int],
+    causal: bool,
+    scale: float,
+    group: str,
+    token: Tensor,
+) -> tuple[Tensor, Tensor, Tensor]:
+    return _backward(q, k, v, out, lse, dout, _Plan.of(sizes, causal, scale, group))
+
+
+@_ring_attention_backward_op.register_fake
+def _(
+    q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, *plan: object
+) -> tuple[Tensor, Tensor, Tensor]:
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def ring_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    group: ProcessGroup | None = None,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    sizes: Sequence[int] | None = None,
+) -> Tensor:
+    """Softmax attention of this rank's queries over every rank's keys and values.
+
+    ``q``, ``k`` ``[..., S_r, D]`` and ``v`` ``[..., S_r, Dv]`` are this rank's block of the
+    sequence (dim -2); the ranks hold consecutive blocks in rank order, as the whole sequence
+    split by ``sizes`` (every rank's ``S_r``; uneven and empty blocks allowed; without it the
+    ranks exchange their lengths first; inside ``torch.compile`` pass it). Leading dims
+    (batch, heads) must match across ranks.
+    Returns ``[..., S_r, Dv]``: this rank's rows of
+    ``scaled_dot_product_attention(Q, K, V, is_causal=causal, scale=scale)`` on the whole
+    sequence (``scale`` defaults to ``1/sqrt(D)``; ``causal`` masks keys after their query by
+    global position). Inputs are not modified.
+
+    Gradient (the objective is the sum over ranks of what each rank back-propagates): ``q``
+    gets this rank's rows; ``k`` and ``v`` get the sum over every rank's queries of their
+    terms. Not twice differentiable.
+
+    Communication: forward N-1 sends and receives of a [..., S, D + Dv] block; backward N-1 of
+    [..., S, 2 (D + Dv)] (block and accumulator) and 1 of [..., S, D + Dv]; plus the length
+    exchange when ``sizes`` is not given. Memory: the saved inputs, output and lse, and the
+    blocks in flight; never the whole K or V.
+    """
+    if k.shape[:-1] != q.shape[:-1] or v.shape[:-1] != k.shape[:-1]:
+        raise ValueError(
+            "ring_attention: q, k and v must share every dim but the last (this rank's block "
+            f"of the sequence at dim -2), got {tuple(q.shape)}, {tuple(k.shape)}, "
+            f"{tuple(v.shape)}"
+        )
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(
+            f"ring_attention: q and k must have the same last dim, got {q.shape[-1]} and "
+            f"{k.shape[-1]}"
+        )
+    g = resolve(group, "ring_attention")
+    if sizes is None and g.size > 1 and torch.compiler.is_compiling():
+        raise ValueError(
+            "ring_attention inside torch.compile needs sizes= (every rank's sequence length): "
+            "the lengths cannot be exchanged within a graph"
+        )
+    if sizes is None:
+        mine = torch.tensor([[q.shape[-2]]], dtype=torch.int64, device=q.device)
+        sizes = [int(n) for n in all_gather(mine, group, sizes=[1] * g.size).view(-1).tolist()]
+    elif len(sizes) != g.size or sizes[g.rank] != q.shape[-2]:
+        raise ValueError(
+            f"ring_attention: sizes must give every rank's sequence length ({g.size} ints, "
+            f"this rank's {q.shape[-2]} at index {g.rank}), got {list(sizes)}"
+        )
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    plan = _Plan(g, tuple(sizes), causal, scale)
+    return _RingAttention.apply(q, k, v, plan)  # type: ignore[no-untyped-call,no-any-return]

@@ -1,0 +1,426 @@
+"""Tensor and sequence parallelism: Megatron's region operators and the parallel linear layers.
+
+Legend: ``N`` ranks in the tensor-parallel group; ``T`` rows (tokens) of the global batch,
+``T_r`` of them on rank r when the rows are sharded (sequence parallelism); a parallel layer's
+hidden features are split ``H_r`` per rank (any split, uneven included).
+
+Two contracts (docs/semantics.md, docs/patterns.md):
+
+* ``objective="sum"`` (distgrad's default): the objective is the sum over ranks of what each
+  rank back-propagates, and a parameter that every rank holds whole (a row-parallel bias) has
+  its gradients summed over ranks, like any replicated parameter. A replicated activation
+  needs no "f" operator: the collective that replicated it (an all_gather, the previous
+  layer's all_reduce) sums the ranks' partial gradients in its own backward.
+* ``objective="replicated"`` (Megatron's convention): every rank computes the same loss and it
+  counts once; "f" (:func:`copy_to_region`) sums the partial gradients of the replicated input,
+  "g" (:func:`reduce_from_region`) passes the gradient through, and replicated parameters get
+  the whole gradient on every rank (not to be summed over the tensor-parallel group).
+
+Inside a sequence-parallel layer both contracts coincide: an all_gather on the way in
+(backward a reduce_scatter) and a reduce_scatter on the way out (backward an all_gather). At
+the edges of a sequence-parallel region, :func:`split_to_sequence` and
+:func:`gather_from_sequence` take the contract of the code around them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.autograd.function import FunctionCtx
+
+from distgrad._group import ProcessGroup, resolve
+from distgrad.collectives.all_gather import all_gather, reduce_scatter
+from distgrad.collectives.all_reduce import all_reduce
+
+__all__ = [
+    "ColumnParallelLinear",
+    "Objective",
+    "RowParallelLinear",
+    "column_parallel_linear",
+    "copy_to_region",
+    "gather_from_sequence",
+    "reduce_from_region",
+    "reduce_scatter_to_sequence",
+    "row_parallel_linear",
+    "split_to_sequence",
+]
+
+Objective = Literal["sum", "replicated"]
+
+
+class _CopyToRegion(torch.autograd.Function):
+    """Megatron's f: the identity forward; the backward is g's forward (an all_reduce)."""
+
+    @staticmethod
+    def forward(ctx: FunctionCtx, x: Tensor, group: ProcessGroup | None) -> Tensor:
+        ctx.group = group  # type: ignore[attr-defined]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        # The partner op, so double backward follows the same contract.
+        return reduce_from_region(grad, ctx.group), None
+
+
+def copy_to_region(x: Tensor, group: ProcessGroup | None = None) -> Tensor:
+    """Enter a tensor-parallel region with a replicated ``x`` (Megatron's "f").
+
+    Returns ``x`` unchanged (a view). Use it under the replicated contract only: every rank
+    holds the same ``x`` and computes the same loss, which counts once.
+
+    Gradient: the sum over ranks of the gradients of the returned tensor (each rank's part
+    went through its own shard of the weights), returned on every rank: the adjoint of
+    :func:`reduce_from_region`. ``x`` is not modified.
+
+    Communication: forward none; backward 1 all_reduce of ``x``'s shape.
+    """
+    return _CopyToRegion.apply(x, group)  # type: ignore[no-untyped-call,no-any-return]
+
+
+def reduce_from_region(x: Tensor, group: ProcessGroup | None = None) -> Tensor:
+    """Leave a tensor-parallel region: sum the ranks' partial results (Megatron's "g").
+
+    Under the replicated contract: every rank computes the same loss from the sum, which
+    counts once.
+
+    Gradient: the incoming gradient, unchanged (no communication): the adjoint of
+    :func:`copy_to_region`. ``x`` is not modified.
+
+    Communication: forward 1 all_reduce of ``x``; backward none.
+    """
+    return all_reduce(x, "sum", group, objective="replicated")
+
+
+def gather_from_sequence(
+    x: Tensor,
+    group: ProcessGroup | None = None,
+    *,
+    sizes: Sequence[int] | None = None,
+    objective: Objective = "sum",
+) -> Tensor:
+    """Leave a sequence-parallel region: concatenate every rank's rows (dim 0) in rank order.
+
+    ``sizes`` is every rank's row count ``T_r`` (uneven allowed); without it the ranks
+    exchange their counts first.
+
+    Gradient: under ``objective="sum"``, the reduce-scatter of the gradient: each rank
+    receives, for its own rows, the sum over ranks of their gradients (the adjoint of
+    :func:`reduce_scatter_to_sequence`); under ``"replicated"`` (every rank computes the same
+    loss from the result, counted once: Megatron's gather with no tensor-parallel output
+    gradient), this rank's rows of its own gradient, no communication (the adjoint of
+    :func:`split_to_sequence`). ``x`` is not modified.
+
+    Communication: forward 1 all_gather of [T_r, ...]; backward 1 reduce_scatter of [T, ...]
+    under ``"sum"``, none under ``"replicated"``.
+    """
+    _objective_problem(objective)
+    return all_gather(x, group, dim=0, sizes=sizes, objective=objective)
+
+
+class _SplitReplicated(torch.autograd.Function):
+    """Megatron's scatter to the sequence-parallel region: keep this rank's rows forward; the
+    backward gathers every rank's row gradients, so each rank holds the whole gradient."""
+
+    @staticmethod
+    def forward(
+        ctx: FunctionCtx, x: Tensor, sizes: tuple[int, ...], rank: int, group: ProcessGroup | None
+    ) -> Tensor:
+        ctx.sizes, ctx.group = sizes, group  # type: ignore[attr-defined]
+        return x.narrow(0, sum(sizes[:rank]), sizes[rank]).clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        # The partner op, so double backward follows the same contract.
+        return (
+            gather_from_sequence(grad, ctx.group, sizes=ctx.sizes, objective="replicated"),
+            None,
+            None,
+            None,
+        )
+
+
+def split_to_sequence(
+    x: Tensor,
+    group: ProcessGroup | None = None,
+    *,
+    sizes: Sequence[int] | None = None,
+    objective: Objective = "sum",
+) -> Tensor:
+    """Enter a sequence-parallel region from a tensor every rank holds whole: keep this rank's
+    rows (dim 0).
+
+    ``sizes`` is every rank's row count (default: an even split, which needs ``x.shape[0]`` to
+    divide by the group size).
+
+    Gradient: under ``objective="sum"`` the gradient of this rank's rows, zeros elsewhere (a
+    slice: each rank's part of a replicated tensor; the collective that replicated ``x`` sums
+    them); under ``"replicated"`` (Megatron's scatter to the sequence-parallel region) every
+    rank's row gradients gathered, the whole gradient on every rank. ``x`` is not modified.
+
+    Communication: forward none; backward none under ``"sum"``, 1 all_gather of [T_r, ...]
+    under ``"replicated"``.
+    """
+    _objective_problem(objective)
+    g = resolve(group, "split_to_sequence")
+    rows = x.shape[0] if x.dim() else 0
+    if sizes is None:
+        if rows % g.size:
+            raise ValueError(
+                f"split_to_sequence: {rows} rows do not split evenly over {g.size} ranks; "
+                "pass sizes= (every rank's row count)"
+            )
+        sizes = [rows // g.size] * g.size
+    if len(sizes) != g.size or sum(sizes) != rows or min(sizes) < 0:
+        raise ValueError(
+            f"split_to_sequence: sizes must give each of the {g.size} ranks its row count "
+            f"(non-negative, adding up to the {rows} rows of x), got {list(sizes)}"
+        )
+    if objective == "replicated" and g.size > 1:
+        return _SplitReplicated.apply(x, tuple(sizes), g.rank, group)  # type: ignore[no-untyped-call,no-any-return]
+    return x.narrow(0, sum(sizes[: g.rank]), sizes[g.rank])
+
+
+def reduce_scatter_to_sequence(
+    x: Tensor, group: ProcessGroup | None = None, *, sizes: Sequence[int] | None = None
+) -> Tensor:
+    """Enter a sequence-parallel region: sum the ranks' partial [T, ...] results and keep this
+    rank's rows.
+
+    ``sizes`` is every rank's row count ``T_r`` (default: an even split of ``T``).
+
+    Gradient (both contracts): the all_gather of the gradients of every rank's rows. ``x`` is
+    not modified.
+
+    Communication: forward 1 reduce_scatter of [T, ...]; backward 1 all_gather of [T_r, ...].
+    """
+    return reduce_scatter(x, "sum", group, dim=0, sizes=sizes)
+
+
+def _objective_problem(objective: object) -> None:
+    if objective not in ("sum", "replicated"):
+        raise ValueError(f"objective must be 'sum' or 'replicated', got {objective!r}")
+
+
+def column_parallel_linear(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None = None,
+    group: ProcessGroup | None = None,
+    *,
+    sequence_parallel: bool = False,
+    sizes: Sequence[int] | None = None,
+    objective: Objective = "sum",
+) -> Tensor:
+    """``x @ weight.T + bias`` with this rank's ``H_r`` output features of a split linear layer.
+
+    ``weight`` is this rank's rows of the full weight, ``[H_r, D_in]``, and ``bias`` its
+    ``[H_r]`` entries. Without ``sequence_parallel``, ``x`` is the whole input ``[..., D_in]``,
+    the same on every rank; with it, ``x`` is this rank's ``T_r`` rows (dim 0), gathered first
+    (``sizes``: every rank's ``T_r``; without it the ranks exchange their counts). The result,
+    ``[..., H_r]``, feeds :func:`row_parallel_linear`. ``x`` is not modified.
+
+    Gradient: ``weight`` and ``bias`` get their whole gradient on this rank (no other rank
+    holds them). ``x``: with ``sequence_parallel``, every rank's partial gradient of the
+    gathered rows is reduce-scattered back to the rows' owners; otherwise, under
+    ``objective="sum"``, this rank's partial gradient (the collective that replicated ``x``
+    sums the partials in its backward), and under ``"replicated"`` (Megatron's f) their sum
+    over ranks.
+
+    Communication: forward 1 all_gather of [T_r, D_in] with ``sequence_parallel``, else none;
+    backward 1 reduce_scatter of [T, D_in] with ``sequence_parallel``, 1 all_reduce of
+    ``x`` under ``"replicated"``, else none.
+    """
+    _objective_problem(objective)
+    if sequence_parallel:
+        x = gather_from_sequence(x, group, sizes=sizes)
+    elif objective == "replicated":
+        x = copy_to_region(x, group)
+    return F.linear(x, weight, bias)
+
+
+def row_parallel_linear(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None = None,
+    group: ProcessGroup | None = None,
+    *,
+    sequence_parallel: bool = False,
+    sizes: Sequence[int] | None = None,
+    objective: Objective = "sum",
+) -> Tensor:
+    """``x @ weight.T + bias`` of a linear layer whose input features are split over the ranks.
+
+    ``x`` is this rank's ``[..., H_r]`` features (the output of
+    :func:`column_parallel_linear`), ``weight`` its columns of the full weight,
+    ``[D_out, H_r]``; ``bias`` ``[D_out]`` is whole on every rank and added once, after the
+    sum. Without ``sequence_parallel`` the result ``[..., D_out]`` is the same on every rank;
+    with it, each rank keeps its ``T_r`` rows (``sizes``; default an even split). ``x`` is not
+    modified.
+
+    Gradient: ``x`` and ``weight`` get their whole gradient on this rank; ``bias`` gets this
+    rank's part under ``objective="sum"`` and with ``sequence_parallel`` (sum it over the
+    ranks, as for any replicated parameter), the whole gradient on every rank under
+    ``"replicated"`` (Megatron's g: not to be summed over the group).
+
+    Communication: forward 1 all_reduce of [..., D_out] (``sequence_parallel``: 1
+    reduce_scatter of [T, D_out]); backward 1 all_reduce of [..., D_out] under ``"sum"``, none
+    under ``"replicated"`` (``sequence_parallel``: 1 all_gather of [T_r, D_out]).
+    """
+    _objective_problem(objective)
+    partial = F.linear(x, weight)
+    if sequence_parallel:
+        y = reduce_scatter_to_sequence(partial, group, sizes=sizes)
+    else:
+        y = all_reduce(partial, "sum", group, objective=objective)
+    return y if bias is None else y + bias
+
+
+def _split(total: int, size: int, given: Sequence[int] | None, what: str) -> list[int]:
+    if given is None:
+        base, extra = divmod(total, size)
+        return [base + (1 if r < extra else 0) for r in range(size)]
+    if len(given) != size or sum(given) != total or min(given) < 0:
+        raise ValueError(
+            f"{what} must give each of the {size} ranks its number of features (non-negative, "
+            f"adding up to {total}), got {list(given)}"
+        )
+    return list(given)
+
+
+class ColumnParallelLinear(nn.Module):
+    """The output features of a linear layer split over the ranks: :func:`column_parallel_linear`
+    with this rank's ``weight`` ``[H_r, in_features]`` and ``bias`` ``[H_r]`` as parameters.
+
+    ``splits`` gives every rank's ``H_r`` (default: as even as possible, larger first).
+    :meth:`from_linear` takes this rank's rows of an existing ``nn.Linear``. Gradient and
+    communication: :func:`column_parallel_linear`.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        group: ProcessGroup | None = None,
+        *,
+        sequence_parallel: bool = False,
+        objective: Objective = "sum",
+        splits: Sequence[int] | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        _objective_problem(objective)
+        g = resolve(group, "ColumnParallelLinear")
+        self.splits = _split(out_features, g.size, splits, "ColumnParallelLinear: splits")
+        mine = self.splits[g.rank]
+        local = nn.Linear(in_features, mine, bias, device=device, dtype=dtype)
+        self.weight, self.bias = local.weight, local.bias
+        self.group, self.sequence_parallel, self.objective = group, sequence_parallel, objective
+
+    @classmethod
+    def from_linear(
+        cls, linear: nn.Linear, group: ProcessGroup | None = None, **options: Any
+    ) -> ColumnParallelLinear:
+        """This rank's rows of ``linear`` (copied), with the same options as the constructor."""
+        layer = cls(
+            linear.in_features,
+            linear.out_features,
+            linear.bias is not None,
+            group,
+            device=linear.weight.device,
+            dtype=linear.weight.dtype,
+            **options,
+        )
+        rows = _own(layer.splits, resolve(group).rank)
+        with torch.no_grad():
+            layer.weight.copy_(linear.weight[rows])
+            if layer.bias is not None and linear.bias is not None:
+                layer.bias.copy_(linear.bias[rows])
+        return layer
+
+    def forward(self, x: Tensor, sizes: Sequence[int] | None = None) -> Tensor:
+        """``sizes``: every rank's rows, with ``sequence_parallel`` (else exchanged)."""
+        return column_parallel_linear(
+            x,
+            self.weight,
+            self.bias,
+            self.group,
+            sequence_parallel=self.sequence_parallel,
+            sizes=sizes,
+            objective=self.objective,
+        )
+
+
+class RowParallelLinear(nn.Module):
+    """The input features of a linear layer split over the ranks: :func:`row_parallel_linear`
+    with this rank's ``weight`` ``[out_features, H_r]`` and the whole ``bias`` as parameters.
+
+    ``splits`` gives every rank's ``H_r`` (default: as even as possible, larger first, the
+    split :class:`ColumnParallelLinear` makes of the same width). :meth:`from_linear` takes
+    this rank's columns of an existing ``nn.Linear``. Gradient and communication:
+    :func:`row_parallel_linear`.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        group: ProcessGroup | None = None,
+        *,
+        sequence_parallel: bool = False,
+        objective: Objective = "sum",
+        splits: Sequence[int] | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        _objective_problem(objective)
+        g = resolve(group, "RowParallelLinear")
+        self.splits = _split(in_features, g.size, splits, "RowParallelLinear: splits")
+        local = nn.Linear(self.splits[g.rank], out_features, bias, device=device, dtype=dtype)
+        self.weight, self.bias = local.weight, local.bias
+        self.group, self.sequence_parallel, self.objective = group, sequence_parallel, objective
+
+    @classmethod
+    def from_linear(
+        cls, linear: nn.Linear, group: ProcessGroup | None = None, **options: Any
+    ) -> RowParallelLinear:
+        """This rank's columns of ``linear`` (copied; the bias whole)."""
+        layer = cls(
+            linear.in_features,
+            linear.out_features,
+            linear.bias is not None,
+            group,
+            device=linear.weight.device,
+            dtype=linear.weight.dtype,
+            **options,
+        )
+        cols = _own(layer.splits, resolve(group).rank)
+        with torch.no_grad():
+            layer.weight.copy_(linear.weight[:, cols])
+            if layer.bias is not None and linear.bias is not None:
+                layer.bias.copy_(linear.bias)
+        return layer
+
+    def forward(self, x: Tensor, sizes: Sequence[int] | None = None) -> Tensor:
+        """``sizes``: every rank's rows, with ``sequence_parallel`` (default an even split)."""
+        return row_parallel_linear(
+            x,
+            self.weight,
+            self.bias,
+            self.group,
+            sequence_parallel=self.sequence_parallel,
+            sizes=sizes,
+            objective=self.objective,
+        )
+
+
+def _own(splits: Sequence[int], rank: int) -> slice:
+    start = sum(splits[:rank])
+    return slice(start, start + splits[rank])
