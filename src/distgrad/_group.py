@@ -150,9 +150,13 @@ def forget_destroyed() -> None:
     gone = [key for key, group in _resolved.items() if group.pg not in live]
     if gone:
         world = dist.group.WORLD if dist.is_initialized() else None
-        world_gone = world is None or world not in live or any(
-            _resolved[key].pg is not world and _resolved[key].name == world.group_name
-            for key in gone
+        world_gone = (
+            world is None
+            or world not in live
+            or any(
+                _resolved[key].pg is not world and _resolved[key].name == world.group_name
+                for key in gone
+            )
         )
         _forget([_resolved.pop(key) for key in gone], world_gone)
 
