@@ -317,18 +317,37 @@ def annotate(
             source = "distgrad's liveness check"
         if dead is not None:
             who = f"rank {dead[0]}"
+            story = _peer_timed_out(group, dead[0], wait_s=0.0)
+            why = (
+                f"{who} {story}, then exited"
+                if story
+                else f"{who} exited or crashed (its own log says why)"
+            )
             account = (
                 f"distgrad: rank {group.rank} {doing} when its connection to {who} closed, "
-                f"{waited:.2f} s into the wait: {who} exited or crashed (its own log says why); "
-                "this group cannot be used any more"
+                f"{waited:.2f} s into the wait: {why}; this group cannot be used any more"
             )
         elif _lost_connection(error):
-            who = f"rank {peers[0]}" if len(peers) == 1 else "a peer"
+            peer = peers[0] if len(peers) == 1 else None
+            who = f"rank {peer}" if peer is not None else "a peer"
+            # A peer whose own wait timed out closes every connection of the group: say so,
+            # with where it waited, rather than blame a crash (it writes its report just after).
+            story = None
+            for candidate in [peer] if peer is not None else list(peers):
+                story = _peer_timed_out(group, candidate, wait_s=_REPORT_WAIT_S)
+                if story:
+                    who = f"rank {candidate}"
+                    break
+            why = (
+                f"{who} {story} and closed its connections"
+                if story
+                else f"{who}'s process is still running, so it closed the connection itself "
+                "(its own timeout expired, it destroyed the group, or it failed: its own log "
+                "says why)"
+            )
             account = (
                 f"distgrad: rank {group.rank} {doing} when its connection to {who} closed, "
-                f"{waited:.2f} s into the wait; {who}'s process is still running, so it closed "
-                "the connection itself (its own timeout expired, it destroyed the group, or it "
-                "failed: its own log says why); this group cannot be used any more"
+                f"{waited:.2f} s into the wait: {why}; this group cannot be used any more"
             )
         else:
             account = (
@@ -419,6 +438,25 @@ def _read_report(store: Any, kind: str, global_rank: int) -> tuple[float, str] |
         return None
     report = json.loads(store.get(name))
     return float(report["time"]), str(report["what"])
+
+
+def _peer_timed_out(group: Group, peer: int, wait_s: float) -> str | None:
+    """'timed out in <what>, on the group of ...' if ``peer`` reported a recent timeout in the
+    default store, waiting up to ``wait_s`` for the report."""
+    store = _store()
+    if store is None or group.pg is None:
+        return None
+    deadline = time.monotonic() + wait_s
+    try:
+        while True:
+            report = _read_report(store, "timeout", group.global_rank(peer))
+            if report is not None and abs(time.time() - report[0]) < _RECENT_S and report[1]:
+                return report[1]
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
+    except Exception:  # the store is gone too
+        return None
 
 
 def _exchange_reports(group: Group, peers: Sequence[int], mine: str) -> dict[int, str] | None:

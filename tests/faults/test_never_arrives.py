@@ -84,13 +84,23 @@ def test_ranks_on_different_groups_both_time_out_saying_where_the_other_waits() 
 def test_a_peer_still_waiting_on_another_group_is_said_to_be_waiting_there() -> None:
     """Rank 1's group has a longer timeout: when rank 0 times out, rank 1 still waits (and says
     so in the store once its wait has lasted a second); it fails when rank 0 leaves."""
-    took, message = _run(_different_groups, 60.0)[0]
+    (took, message), (_, message_1) = _run(_different_groups, 60.0)
     first = message.splitlines()[0]
     assert PG_TIMEOUT_S - 0.5 < took < PG_TIMEOUT_S + MARGIN_S, (took, first)
     assert (
         "rank 1 is waiting in the metadata handshake at the start of all_reduce(op='sum'), on the "
         "group of global ranks 0, 1 (for "
     ) in first, first
+    # Rank 1 learns of it when rank 0 leaves: not a crash, but a timeout, said as rank 0 did.
+    first_1 = message_1.splitlines()[0]
+    assert first_1.startswith(
+        "distgrad: rank 1 was waiting for its peers at the start of all_reduce(op='sum')"
+    ), first_1
+    assert (
+        "rank 0 timed out in the metadata handshake at the start of all_reduce(op='sum'), on the "
+        "group of global ranks 0, 1, then exited"
+    ) in first_1, first_1
+    assert "crashed" not in first_1, first_1
 
 
 def _requires_grad_on_rank_0_only(rank: int, world_size: int) -> tuple[float, str]:
@@ -109,3 +119,28 @@ def test_requires_grad_on_some_ranks_is_the_same_error_on_every_rank_at_once() -
     for took, message in seen:
         assert took < MARGIN_S, (took, message)
         assert "ranks disagree on whether x requires grad (rank 0: True; rank 1: False)" in message
+
+
+def _different_ops_past_the_checked_calls(rank: int, world_size: int) -> tuple[float, str]:
+    for _ in range(10):  # past the checked calls: nothing compares the ops any more
+        dg.all_reduce(torch.ones(3))
+    start = time.monotonic()
+    with pytest.raises(RuntimeError) as info:
+        if rank == 0:
+            dg.all_reduce(torch.ones(3))
+        else:
+            time.sleep(0.5)  # rank 0's wait times out first
+            dg.all_to_all(torch.ones(4, 3))
+    return time.monotonic() - start, str(info.value)
+
+
+def test_the_rank_whose_wait_ends_second_says_its_peer_timed_out_and_where() -> None:
+    """Rank 0 times out first and closes the group's connections, which ends rank 1's wait
+    with a closed connection: rank 1 must not call that a crash, but say where rank 0 waited."""
+    (_, message_0), (took, message_1) = _run(_different_ops_past_the_checked_calls)
+    assert "timed out after" in message_0.splitlines()[0], message_0
+    first = message_1.splitlines()[0]
+    assert took < PG_TIMEOUT_S + MARGIN_S, (took, first)
+    assert first.startswith("distgrad: rank 1 was in the forward of all_to_all"), first
+    assert "rank 0 timed out in the forward of all_reduce(op='sum')" in first, first
+    assert "crashed" not in first, first
