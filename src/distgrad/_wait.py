@@ -54,6 +54,7 @@ import torch.distributed as dist
 
 from distgrad import _alive
 from distgrad._group import Group, on_forget
+from distgrad.errors import PeerGoneError
 
 __all__ = [
     "INLINE_BYTES",
@@ -142,11 +143,6 @@ def _dead_peer(
     global_rank, why = found
     peer = group.members.index(global_rank)
     return peer, PeerGoneError(f"rank {peer} (global rank {global_rank}): {why}")
-
-
-class PeerGoneError(dist.DistBackendError):
-    """A peer's process is gone, as distgrad's liveness check saw it (a backend error, as
-    torch raises for a closed connection)."""
 
 
 def is_timeout(error: BaseException) -> bool:

@@ -8,6 +8,9 @@ The hierarchy::
     ├── CheckArgumentError         the checker cannot use its arguments (a ValueError)
     ├── NotALossError              the checked function returned no scalar loss (a TypeError)
     ├── GradientMismatchError      the checker found a gradient that differs from the reference
+    ├── PeerGoneError              a peer's process is gone, seen by distgrad's liveness check
+    │                              (torch's DistBackendError too, as gloo raises for a closed
+    │                              connection)
     ├── RankFailedError            a process started by run_on_ranks failed or timed out
     └── RpcAutogradError           distributed autograd over RPC failed (a RuntimeError, as
         │                          torch.distributed.autograd raises)
@@ -22,6 +25,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from torch.distributed import DistBackendError
+
 __all__ = [
     "CheckArgumentError",
     "CollectiveArgumentError",
@@ -29,6 +34,7 @@ __all__ = [
     "DistgradError",
     "GradientMismatchError",
     "NotALossError",
+    "PeerGoneError",
     "RankFailedError",
     "RpcAutogradError",
     "UnknownContextError",
@@ -65,6 +71,15 @@ class NotALossError(DistgradError, TypeError):
 
 class GradientMismatchError(DistgradError):
     """A distributed computation's loss or gradients differ from the single-process reference."""
+
+
+class PeerGoneError(DistgradError, DistBackendError):
+    """A peer's process is gone, as distgrad's liveness check saw it while this rank waited.
+
+    Raised (with distgrad's account of the op, the pass and the peer first) when gloo would
+    not have failed the operation in flight. Also a ``torch.distributed.DistBackendError``,
+    what gloo raises for a closed connection, so code written against torch catches it.
+    """
 
 
 class RankFailedError(DistgradError):
