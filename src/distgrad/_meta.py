@@ -317,7 +317,11 @@ def exchange(
     """
     assert len(args) <= _MAX_ARGS and len(lists) <= _LISTS, f"{op}: too much metadata"
     if problem is None and x is not None and x.dim() > _MAX_DIMS:
-        problem = f"tensors of at most {_MAX_DIMS} dims are supported, got {x.dim()}"
+        problem = (
+            f"tensors of at most {_MAX_DIMS} dims are supported, got {x.dim()} (the checked "
+            "calls carry every shape whole; flatten some dims around the call, e.g. "
+            "x.flatten(1, 2), and view the result back)"
+        )
     longest = _list_width(group.size) - 1
     if problem is None and any(v is not None and len(v) > longest for v in lists):
         problem = f"lists of at most {longest} entries are supported"
