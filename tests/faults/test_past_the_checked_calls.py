@@ -22,7 +22,7 @@ from distgrad.testing import run_on_ranks
 
 PG_TIMEOUT_S = 2.0
 
-CASES: dict[str, Callable[[int], torch.Tensor]] = {
+CASES: dict[str, Callable[[int], torch.Tensor | None]] = {
     "reduce_scatter shape": lambda r: dg.reduce_scatter(torch.ones(4, 3 if r == 0 else 5)),
     "reduce_scatter dtype": lambda r: dg.reduce_scatter(
         torch.ones(4, 3, dtype=torch.float32 if r == 0 else torch.float64)
@@ -31,6 +31,23 @@ CASES: dict[str, Callable[[int], torch.Tensor]] = {
     "broadcast shape": lambda r: dg.broadcast(torch.arange(3.0) if r == 0 else torch.zeros(4), 0),
     "broadcast complex64 vs float64": lambda r: dg.broadcast(
         torch.ones(3, dtype=torch.complex64) if r == 0 else torch.zeros(3, dtype=torch.float64), 0
+    ),
+    "reduce dtype": lambda r: dg.reduce(
+        torch.ones(3, dtype=torch.float32 if r == 0 else torch.float64), 0
+    ),
+    "gather shape": lambda r: dg.gather(torch.ones(2, 3 if r == 0 else 5), 0, sizes=[2, 2]),
+    "permute shape": lambda r: dg.permute(
+        torch.ones(3 if r == 0 else 4), [1, 0], recv_shape=[3 if r == 0 else 4]
+    ),
+    "all_gather dtype": lambda r: dg.all_gather(
+        torch.ones(2, 3, dtype=torch.float32 if r == 0 else torch.float64), sizes=[2, 2]
+    ),
+    "scatter shape": lambda r: dg.scatter(
+        torch.ones(4, 3) if r == 0 else torch.zeros(2, 5), 0, sizes=[2, 2]
+    ),
+    "reduce shape": lambda r: dg.reduce(torch.ones(3 if r == 0 else 4), 0),
+    "all_reduce op": lambda r: dg.all_reduce(
+        torch.full((3,), float(r + 2)), "sum" if r == 0 else "max"
     ),
     "a different collective": lambda r: (
         dg.all_reduce(torch.ones(3)) if r == 0 else dg.broadcast(torch.ones(3), 0)
@@ -43,6 +60,8 @@ def _mismatch_after_the_checked_calls(rank: int, world_size: int, case: str) -> 
     for _ in range(CHECKED_CALLS + 1):
         dg.all_reduce(torch.ones(2))
     out = CASES[case](rank)
+    if out is None:  # reduce on a rank that is not the destination
+        return []
     return torch.view_as_real(out).flatten().tolist() if out.is_complex() else out.tolist()
 
 
@@ -86,7 +105,17 @@ def test_a_broadcast_of_complex64_into_float64_is_silently_wrong() -> None:
     assert results[1] != [1.0] * 3  # the bytes of (1+0j) read as float64: nonsense
 
 
-@pytest.mark.parametrize("case", ["a different collective", "a different src"])
+def test_a_scatter_receiver_of_another_shape_is_silently_wrong() -> None:
+    results, report = _outcome("scatter shape")
+    assert results is not None, report
+    assert results[0] == [[1.0, 1.0, 1.0]] * 2
+    # the part's 6 entries poured into a 2 x 5 output; the other 4 are whatever was in memory
+    assert len(results[1]) == 2 and results[1][0] == [1.0] * 5 and results[1][1][0] == 1.0
+
+
+@pytest.mark.parametrize(
+    "case", ["reduce shape", "all_reduce op", "a different collective", "a different src"]
+)
 def test_a_different_call_times_out_on_both_ranks_with_distgrad_s_account(case: str) -> None:
     results, report = _outcome(case)
     assert results is None
