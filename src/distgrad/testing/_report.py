@@ -11,15 +11,23 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import torch
 from torch import Tensor
 
 from distgrad.errors import GradientMismatchError
 
-if TYPE_CHECKING:
-    from distgrad.testing.gradcheck import RunResult
+
+@dataclass(frozen=True)
+class RunResult:
+    """One process's loss and gradients (inputs by name, parameters by name): what a run of
+    the checked function reports, in one process or on one rank."""
+
+    loss: float
+    input_grads: dict[str, Tensor | None]
+    param_grads: dict[str, Tensor | None]
+
 
 __all__ = ["GradReport", "TensorCheck", "build_report"]
 

@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from distgrad._meta import set_debug
 from distgrad.errors import CheckArgumentError, NotALossError
-from distgrad.testing._report import Combine, GradReport, build_report
+from distgrad.testing._report import Combine, GradReport, RunResult, build_report
 from distgrad.testing.launch import run_on_ranks
 
 # The checker's errors live in distgrad.errors; importing them from here keeps working.
@@ -56,15 +56,6 @@ class _Job:
     model_state: dict[str, Tensor] | None
     backward_ranks: tuple[int, ...] | None  # None: every rank back-propagates its loss
     debug: bool
-
-
-@dataclass(frozen=True)
-class RunResult:
-    """One process's loss and gradients (inputs by name, parameters by name)."""
-
-    loss: float
-    input_grads: dict[str, Tensor | None]
-    param_grads: dict[str, Tensor | None]
 
 
 def check_against_single_process(
