@@ -10,12 +10,14 @@ peer's exit while this interpreter is finalising ends in ``std::terminate`` ("te
 without an active exception", SIGABRT): 8 of 20 healthy torchrun jobs aborted at exit that way.
 
 So every process that makes a distgrad call on a group of more than one rank listens on one
-TCP socket of its own and writes its address to the default store
+TCP socket of its own and writes its machine's boot id and its address to the default store
 (``distgrad/alive/<global rank>``). A rank whose wait lasts a tick connects once to each peer
 it waits on and, at every tick, polls those connections with a zero timeout. The kernel
 completes a connection on a listening socket by itself (nobody needs to accept it) and resets
 it when the listening process dies, however it dies, so a dead peer is seen within a tick. A
-peer whose listener refuses the connection is gone too.
+peer on this machine whose listener refuses the connection is gone too; on another machine a
+refusal may only mean a wrong address, and a false "your peer died" is far worse than a
+slower one, so such a peer is not watched (nor one that publishes a loopback address).
 
 Costs, whatever the number of groups: one listening socket per process, and one connected
 socket per peer process this one has waited on for a tick (gloo itself holds one per peer per
@@ -28,8 +30,9 @@ destroyed (the next group's store gets a new address).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
-import errno
+import functools
 import os
 import select
 import socket
@@ -65,14 +68,31 @@ def _default_store() -> Any:
 
 
 def _host() -> str:
-    """The address peers reach this process at: the interface gloo is told to use, if any."""
+    """The address peers on other machines reach this process at: the interface gloo is told
+    to use, else the one this machine routes to the rendezvous through, else the host name's."""
     ifname = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0]
     if ifname:
         with contextlib.suppress(OSError):
             return _interface_address(ifname)
+    master = os.environ.get("MASTER_ADDR")
+    if master:
+        with (
+            contextlib.suppress(OSError),
+            socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe,
+        ):
+            probe.connect((master, 1))  # a UDP connect sends nothing: it only picks a route
+            return str(probe.getsockname()[0])
     with contextlib.suppress(OSError):
         return socket.gethostbyname(socket.gethostname())
     return "127.0.0.1"
+
+
+@functools.cache
+def _machine() -> str:
+    """What tells this machine from another: its boot id (its host name where none)."""
+    with contextlib.suppress(OSError), open("/proc/sys/kernel/random/boot_id") as f:
+        return f.read().strip()
+    return socket.gethostname()
 
 
 def _interface_address(ifname: str) -> str:
@@ -103,7 +123,7 @@ def publish() -> None:
                 listener.listen(socket.SOMAXCONN)
                 listener.setblocking(False)
                 _listener = listener
-            address = f"{_host()}:{_listener.getsockname()[1]}"
+            address = f"{_machine()} {_host()}:{_listener.getsockname()[1]}"
             store.set(_KEY.format(rank=dist.get_rank()), address)
         except Exception:  # no store, no socket: peers fall back on the group's timeout
             return
@@ -163,26 +183,34 @@ def _connect(rank: int) -> socket.socket | None:
         if store is None or not store.check([key]):
             _retry_at[rank] = now + _RETRY_S  # it may not have made its first call yet
             return None
-        host, port = store.get(key).decode().rsplit(":", 1)
+        machine, address = store.get(key).decode().split(" ", 1)
+        host, port = address.rsplit(":", 1)
     except Exception:
         _retry_at[rank] = now + _RETRY_S
         return None
-    if host == _host():
+    # On this machine a refused connection proves the peer gone; across machines it may only
+    # be a wrong address (a host name that resolves to loopback), which must never be taken
+    # for a death: such a peer is simply not watched.
+    local = machine == _machine()
+    if local:
         host = "127.0.0.1"
+    elif host.startswith("127."):
+        _peers[rank] = None
+        return None
     conn = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     conn.settimeout(_CONNECT_TIMEOUT_S)
     try:
         conn.connect((host, int(port)))
     except ConnectionRefusedError:
         conn.close()
-        _gone[rank] = "nothing listens at its address any more: its process is gone"
-        return None
-    except OSError as exc:
-        conn.close()
-        if exc.errno in (errno.ECONNRESET, errno.ECONNABORTED):
-            _gone[rank] = "its process reset distgrad's liveness connection"
+        if local:
+            _gone[rank] = "nothing listens at its address any more: its process is gone"
         else:
-            _peers[rank] = None  # unreachable (a firewall?): the group's timeout still holds
+            _peers[rank] = None
+        return None
+    except OSError:
+        conn.close()
+        _peers[rank] = None  # unreachable (a firewall?): the group's timeout still holds
         return None
     conn.setblocking(False)
     _peers[rank] = conn
@@ -220,4 +248,13 @@ def _after_fork_in_child() -> None:
     _published_in = _store_keep = None
 
 
+def _close_at_exit() -> None:
+    global _listener
+    forget()
+    if _listener is not None:
+        _listener.close()
+        _listener = None
+
+
 os.register_at_fork(after_in_child=_after_fork_in_child)
+atexit.register(_close_at_exit)

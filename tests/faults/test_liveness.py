@@ -1,0 +1,77 @@
+"""distgrad's liveness check never takes a peer for dead on a guess.
+
+Semantics asserted, in one process whose default store holds made-up peers' addresses: a peer
+on this machine whose port refuses connections is gone; a peer that claims another machine
+but publishes a loopback address (a host name that resolves to 127.0.1.1) is not watched; a
+peer on another machine whose address refuses is not called dead either (a wrong address is
+not a death); a peer whose listener is open is alive until its process closes it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from distgrad import _alive
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+    return port  # closed again: connecting to it is refused
+
+
+def _own_addresses() -> list[str]:
+    """This machine's own IPv4 addresses other than loopback (connecting to them stays here)."""
+    found = []
+    for _, name in socket.if_nameindex():
+        try:
+            address = _alive._interface_address(name)
+        except OSError:  # no IPv4 address on it
+            continue
+        if not address.startswith("127."):
+            found.append(address)
+    return found
+
+
+@pytest.fixture()
+def store(tmp_path: object) -> object:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    store = dist.FileStore(os.path.join(str(tmp_path), "store"), 1)  # type: ignore[attr-defined]
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=5))
+    _alive.publish()
+    yield _alive._default_store()  # the group's own view of it (torch prefixes its keys)
+    dist.destroy_process_group()
+
+
+def test_only_a_refusal_on_this_machine_is_a_death(store: object) -> None:
+    me = _alive._machine()
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    port = listener.getsockname()[1]
+    store.set("distgrad/alive/1", f"{me} 127.0.0.1:{_closed_port()}")  # type: ignore[attr-defined]
+    store.set("distgrad/alive/2", f"another-machine 127.0.1.1:{port}")  # type: ignore[attr-defined]
+    store.set("distgrad/alive/3", f"{me} 127.0.0.1:{port}")  # type: ignore[attr-defined]
+    found = _alive.dead([1])
+    assert found is not None and found[0] == 1 and "gone" in found[1], found
+    assert _alive.dead([2, 3]) is None
+    assert _alive._peers[2] is None  # not watched: a loopback address from another machine
+    assert _alive._peers[3] is not None  # watched, and alive
+    listener.close()  # the peer's process "dies": the kernel resets the queued connection
+    found = _alive.dead([3], settle_s=1.0)
+    assert found is not None and found[0] == 3, found
+
+
+def test_a_refusal_across_machines_is_not_a_death(store: object) -> None:
+    here = next(iter(_own_addresses()), None)
+    if here is None:
+        pytest.skip("this machine has no address but loopback to play another machine with")
+    store.set("distgrad/alive/4", f"another-machine {here}:{_closed_port()}")  # type: ignore[attr-defined]
+    assert _alive.dead([4]) is None
+    assert _alive._peers[4] is None and 4 not in _alive._gone
