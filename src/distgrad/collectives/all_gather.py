@@ -18,7 +18,7 @@ from distgrad import _ops
 from distgrad._group import Group, ProcessGroup, resolve
 from distgrad.collectives import _common as c
 from distgrad.collectives._debug import check_backward_order, check_replicated
-from distgrad.collectives._local import reduce_stacked
+from distgrad.collectives._reduce_slices import reduce_stacked
 from distgrad.collectives._signature import Choice, Signature, sizes_along
 from distgrad.collectives.all_to_all import apply_all_to_all
 
