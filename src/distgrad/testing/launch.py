@@ -13,6 +13,12 @@ Why it is built this way (measured on a 2-core machine):
 * Fail fast: each rank stamps its error with the time it happened; after the first failure the
   others get a short grace period (to report their own view) and are then killed, and one error
   lists every rank's traceback, earliest first, so the root cause is on top.
+* Every exit is checked: a rank that reported its value and then dies (a signal, a crash in
+  teardown), exits non-zero or does not exit within a few seconds fails the run, as a
+  launcher such as torchrun would fail the job; ``faulthandler`` is on in every rank, so a
+  crash prints its Python stack. (Ranks end with ``os._exit`` after their ``atexit``
+  handlers, as multiprocessing ends them: interpreter finalisation itself is exercised by the
+  torchrun tests, tests/lifecycle.)
 * Leave together, briefly: a rank whose function returned waits (through the store, at most two
   seconds) for its peers' functions to return before it tears its connections down, so that
   it cannot break a connection a peer is still making, yet a peer stuck in a collective the
@@ -119,13 +125,14 @@ def run_on_ranks(
     seconds at most.
 
     Raises :class:`~distgrad.errors.RankFailedError` if any rank raises, dies or runs past
-    ``timeout`` seconds. Its message lists every failing rank's traceback, earliest first, and
-    its ``results`` holds the values of the ranks that returned (a rank reports its value as
-    soon as its ``fn`` returns); the other ranks are killed ``grace`` seconds (default 2) after
-    the first failure: a test of what survivors see when a peer dies or never comes gives them
-    ``collective_timeout`` plus a margin. A rank blocked in a collective whose peer is gone
-    fails after ``collective_timeout`` seconds (default: a third of ``timeout``); a rank hung
-    anywhere else prints its stack and exits shortly before ``timeout``.
+    ``timeout`` seconds, or if, every rank having returned, one then dies, exits non-zero or
+    does not exit within 5 seconds. Its message lists every failing rank's traceback, earliest
+    first, and its ``results`` holds the values of the ranks that returned (a rank reports its
+    value as soon as its ``fn`` returns); the other ranks are killed ``grace`` seconds (default
+    2) after the first failure: a test of what survivors see when a peer dies or never comes
+    gives them ``collective_timeout`` plus a margin. A rank blocked in a collective whose peer
+    is gone fails after ``collective_timeout`` seconds (default: a third of ``timeout``); a rank
+    hung anywhere else prints its stack and exits shortly before ``timeout``.
     Processes are always reaped and the rendezvous folder removed.
     """
     if world_size < 1:
