@@ -465,3 +465,44 @@ def deep(x: Tensor, ops: int) -> Tensor:
     for _ in range(ops):
         x = torch.sin(x) * 1.01
     return x
+
+
+# --- Intra-op threads ---------------------------------------------------------------------
+
+_conv_stage: list[torch.nn.Module] = []
+
+
+def conv_stage() -> torch.nn.Module:
+    """A seeded float32 convolution stage, made once per worker (its weight gradient is a
+    reduction whose last bits depend on the number of intra-op threads)."""
+    if not _conv_stage:
+        g = torch.Generator().manual_seed(0)
+        stage = torch.nn.Sequential(
+            torch.nn.Conv2d(4, 8, 3), torch.nn.ReLU(), torch.nn.Conv2d(8, 8, 3), torch.nn.Flatten()
+        )
+        with torch.no_grad():
+            for p in stage.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+        _conv_stage.append(stage)
+    return _conv_stage[0]
+
+
+def run_conv_stage(x: Tensor) -> Tensor:
+    return conv_stage()(x)  # type: ignore[no-any-return]
+
+
+def conv_stage_grads(context_id: int, torch_engine: bool) -> list[Tensor]:
+    """The stage's parameter gradients in a context (torch's or distgrad's)."""
+    if torch_engine:
+        import torch.distributed.autograd as torch_autograd
+
+        found = torch_autograd.get_gradients(context_id)
+    else:
+        found = dgrpc.get_gradients(context_id)
+    return [found[p] for p in conv_stage().parameters()]
+
+
+def set_threads(n: int) -> int:
+    """The process's intra-op threads (set from an RPC thread: the setting is process-wide)."""
+    torch.set_num_threads(n)
+    return torch.get_num_threads()

@@ -13,6 +13,13 @@ gradient for the context and hands the node ``None`` instead, so ``.grad`` is ne
 the calling thread, which is where torch runs CPU nodes: a local backward that another thread
 runs through the same leaf at the same moment is left alone.
 
+Intra-op threads: every engine call first applies the process's ``torch.set_num_threads``
+setting to the calling thread (``torch._C.init_num_threads``, 0.07 us). OpenMP keeps the
+thread count per thread, and a thread takes the process's setting only at its first parallel
+op: an RPC thread that ran a forward before the program called ``torch.set_num_threads(1)``
+kept 2 threads, while torch's engine, whose threads start at the first backward, used 1, and
+a convolution's weight gradient differed from torch's in the last bits.
+
 SMART also needs to stop the engine at chosen nodes, which torch's engine can only do in its
 ``grad`` mode (:func:`capture`): a node whose input is captured does not run unless another
 captured node lies below it, and the node above it computes the gradient along the edge only
@@ -30,6 +37,7 @@ from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge
 from torch.autograd.variable import Variable
@@ -41,6 +49,7 @@ from distgrad.rpc.send_recv import is_recv_node
 __all__ = ["Cut", "Walk", "capture", "run", "walk"]
 
 _engine: Any = Variable._execution_engine  # type: ignore[attr-defined]
+_init_num_threads: Callable[[], None] = torch._C.init_num_threads  # type: ignore[attr-defined]
 
 # (node, the positions of its next edges to cut, called with (node, position, gradient))
 Cut = tuple[Any, Sequence[int], Callable[[Any, int, Tensor], None]]
@@ -95,6 +104,7 @@ def run(
     handles = [node.register_prehook(_taker(leaf, taken, me)) for leaf, node in leaves]
     inputs = (*(leaf for leaf, _ in leaves), *more_inputs)
     _context.counters["engine_runs"] += 1
+    _init_num_threads()  # this thread's intra-op threads: the process's (see above)
     try:
         # (outputs, their gradients, keep_graph, create_graph, inputs, allow_unreachable,
         # accumulate_grad): torch's own torch.autograd.backward(..., inputs=...) call.
@@ -119,6 +129,7 @@ def capture(
     me = threading.get_ident()
     handles = [node.register_hook(_cutter(node, at, call, me)) for node, at, call in cuts]
     _context.counters["engine_runs"] += 1
+    _init_num_threads()
     try:
         found: tuple[Tensor | None, ...] = _engine.run_backward(
             tuple(starts), tuple(grads), True, False, tuple(inputs), True, False
