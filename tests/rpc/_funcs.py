@@ -506,3 +506,44 @@ def set_threads(n: int) -> int:
     """The process's intra-op threads (set from an RPC thread: the setting is process-wide)."""
     torch.set_num_threads(n)
     return torch.get_num_threads()
+
+
+# --- Threads sharing leaves -----------------------------------------------------------------
+
+
+class Identity(torch.autograd.Function):
+    """x, through a Python-defined node: applying it takes the input's autograd mutex while
+    holding the GIL (what made a thread deadlock with another one taking a view of a leaf)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        return grad
+
+
+_server_leaf: list[Tensor] = []
+
+
+def server_leaf() -> Tensor:
+    """A leaf on the worker that runs this, shared by every call (a parameter server's)."""
+    if not _server_leaf:
+        _server_leaf.append(torch.randn(3, 3, dtype=torch.float64, generator=_seeded(7)))
+        _server_leaf[0].requires_grad_(True)
+    return _server_leaf[0]
+
+
+def _seeded(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def times_server_leaf(x: Tensor) -> Tensor:
+    """x * w for the server's shared leaf w, one use of it through a Python-defined node."""
+    w = server_leaf()
+    return x * Identity.apply(w)
+
+
+def server_leaf_grad(context_id: int) -> Tensor:
+    return dgrpc.get_gradients(context_id)[server_leaf()]
