@@ -547,3 +547,28 @@ def times_server_leaf(x: Tensor) -> Tensor:
 
 def server_leaf_grad(context_id: int) -> Tensor:
     return dgrpc.get_gradients(context_id)[server_leaf()]
+
+
+# --- DDP inside a context ---------------------------------------------------------------------
+
+_ps_table: list[torch.nn.EmbeddingBag] = []
+
+
+def ps_table() -> torch.nn.EmbeddingBag:
+    """A parameter server's seeded embedding table (dense gradients), made once."""
+    if not _ps_table:
+        torch.manual_seed(5)
+        _ps_table.append(torch.nn.EmbeddingBag(16, 4, mode="sum"))
+    return _ps_table[0]
+
+
+def ps_lookup(indices: Tensor, offsets: Tensor) -> Tensor:
+    return ps_table()(indices, offsets)  # type: ignore[no-any-return]
+
+
+def ps_table_grad(context_id: int, torch_engine: bool) -> Tensor | None:
+    if torch_engine:
+        import torch.distributed.autograd as torch_autograd
+
+        return torch_autograd.get_gradients(context_id).get(ps_table().weight)
+    return dgrpc.get_gradients(context_id).get(ps_table().weight)

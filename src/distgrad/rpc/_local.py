@@ -43,6 +43,7 @@ from torch.autograd.graph import GradientEdge
 from torch.autograd.variable import Variable
 
 from distgrad.rpc import _context
+from distgrad.rpc._ddp import Reductions
 from distgrad.rpc._records import Leaf, Target
 from distgrad.rpc.send_recv import is_recv_node
 
@@ -94,24 +95,38 @@ def run(
     more_inputs: Sequence[Tensor | GradientEdge] = (),
     *,
     keep_graph: bool = True,
+    ddp: Reductions | None = None,
 ) -> list[tuple[Tensor, Tensor]]:
     """One engine call in ``backward`` mode from ``starts`` (given ``grads``); returns the
     leaves' gradients. The nodes that run are those on a path to one of ``leaves`` or
-    ``more_inputs``.
+    ``more_inputs``. ``ddp``: the context's DDP modules; the parameters of those this call
+    reaches get DDP's averaged gradients (see ``_ddp``).
     """
     me = threading.get_ident()
     taken: list[tuple[Tensor, Tensor]] = []
-    handles = [node.register_prehook(_taker(leaf, taken, me)) for leaf, node in leaves]
+    reduction = ddp.begin(leaves, capturing=False) if ddp is not None else None
+    through = reduction.through if reduction is not None else set()
+    handles = [
+        node.register_prehook(_taker(leaf, taken, me))
+        for leaf, node in leaves
+        if id(leaf) not in through
+    ]
     inputs = (*(leaf for leaf, _ in leaves), *more_inputs)
     _context.counters["engine_runs"] += 1
     _init_num_threads()  # this thread's intra-op threads: the process's (see above)
     try:
+        if reduction is not None:
+            reduction.__enter__()
         # (outputs, their gradients, keep_graph, create_graph, inputs, allow_unreachable,
         # accumulate_grad): torch's own torch.autograd.backward(..., inputs=...) call.
         _engine.run_backward(tuple(starts), tuple(grads), keep_graph, False, inputs, True, True)
+        if reduction is not None:
+            taken += reduction.collect()
     finally:
         for handle in handles:
             handle.remove()
+        if reduction is not None:
+            reduction.restore()
     return taken
 
 
@@ -120,12 +135,17 @@ def capture(
     grads: Sequence[Tensor],
     inputs: Sequence[Tensor | GradientEdge],
     cuts: Sequence[Cut],
+    leaves: Sequence[Leaf] = (),
+    ddp: Reductions | None = None,
 ) -> tuple[Tensor | None, ...]:
     """One engine call in ``grad`` mode: the gradients reaching ``inputs`` (leaves or edges).
 
     The graph is kept: a captured node with another captured node below it runs (with the
-    ``None`` its cuts leave it), and must run again later with its real gradient.
+    ``None`` its cuts leave it), and must run again later with its real gradient. DDP's hooks
+    do not run here: ``leaves`` reaching a DDP module of ``ddp`` raise (see ``_ddp``).
     """
+    if ddp is not None:
+        ddp.begin(leaves, capturing=True)
     me = threading.get_ident()
     handles = [node.register_hook(_cutter(node, at, call, me)) for node, at, call in cuts]
     _context.counters["engine_runs"] += 1

@@ -88,7 +88,7 @@ def _run_phase(
 ) -> None:
     # The graph is kept: a later message of the same pass may reach the same nodes.
     with phase(ctx, active):
-        taken = _local.run(starts, grads, leaves, (ANCHOR,))
+        taken = _local.run(starts, grads, leaves, (ANCHOR,), ddp=ctx.ddp)
         ctx.store(taken, foreign)
 
 
