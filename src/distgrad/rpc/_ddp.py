@@ -76,7 +76,7 @@ class _Reduction:
     def __init__(self, modules: list[Any]) -> None:
         self.params = [p for m in modules for p in m.parameters() if p.requires_grad]
         self.through = {id(p) for p in self.params}  # leaves whose AccumulateGrad writes .grad
-        self.saved: list[Tensor | None] = []
+        self.saved: list[Tensor | None] | None = None  # the .grad values put aside
 
     def __enter__(self) -> None:
         self.saved = [p.grad for p in self.params]
@@ -90,9 +90,11 @@ class _Reduction:
         return found  # type: ignore[return-value]
 
     def restore(self) -> None:
-        for p, old in zip(self.params, self.saved, strict=True):
-            p.grad = old
-        self.saved = [None] * len(self.params)
+        """Give every ``.grad`` its value from before (once; later calls do nothing)."""
+        if self.saved is not None:
+            for p, old in zip(self.params, self.saved, strict=True):
+                p.grad = old
+            self.saved = None
 
 
 def _name(module: Any) -> str:
