@@ -572,3 +572,56 @@ def ps_table_grad(context_id: int, torch_engine: bool) -> Tensor | None:
 
         return torch_autograd.get_gradients(context_id).get(ps_table().weight)
     return dgrpc.get_gradients(context_id).get(ps_table().weight)
+
+
+# --- torch's other RPC names ------------------------------------------------------------------
+
+
+@dgrpc.functions.async_execution
+def async_double_add(to: str, x: Tensor, y: Tensor) -> Any:
+    """Marked async_execution: asks ``to`` for x + y and answers 2 * (x + y) when that arrives
+    (the doubling runs in the future's callback, recorded in the context)."""
+    return dgrpc.rpc_async(to, torch.add, args=(x, y)).then(lambda done: done.wait() * 2)
+
+
+class AsyncScaler:
+    """A value whose method is marked async_execution (an RRef proxy must notice)."""
+
+    def __init__(self) -> None:
+        self.w = torch.full((3,), 3.0, dtype=torch.float64, requires_grad=True)
+
+    @dgrpc.functions.async_execution
+    def scaled(self, x: Tensor) -> Any:
+        fut: torch.futures.Future[Tensor] = torch.futures.Future()
+        fut.set_result(x * self.w)
+        return fut
+
+    def get_w(self) -> Tensor:
+        return self.w
+
+
+def squared_sum(x: Tensor) -> Tensor:
+    return (x * x).sum()
+
+
+def local_leaf_sum() -> Tensor:
+    """A scalar from a leaf made here, kept for owner_leaf_grad."""
+    leaf = torch.ones(3, dtype=torch.float64, requires_grad=True)
+    _owned_leaves.append(leaf)
+    return (leaf * 3).sum()
+
+
+_owned_leaves: list[Tensor] = []
+
+
+def owner_leaf_grad() -> Tensor | None:
+    return _owned_leaves[-1].grad
+
+
+def leaf_grad_in(context_id: int, rref: Any) -> Tensor | None:
+    """On the owner of a ThreeByThree: its weight's gradient in the context."""
+    return dgrpc.get_gradients(context_id).get(rref.local_value().w)
+
+
+def leaf_grad_in_scaler(context_id: int, rref: Any) -> Tensor | None:
+    return dgrpc.get_gradients(context_id).get(rref.local_value().w)

@@ -16,6 +16,12 @@ The engine is distgrad's own, in Python: ``torch.autograd`` runs each worker's l
 
 from __future__ import annotations
 
+from typing import Any
+
+from torch._C._distributed_rpc import WorkerInfo
+from torch.distributed.rpc import BackendType, TensorPipeRpcBackendOptions, get_worker_info
+
+from distgrad.rpc import functions
 from distgrad.rpc._lifecycle import init_rpc, shutdown
 from distgrad.rpc.backward import backward
 from distgrad.rpc.calls import RRef, remote, rpc_async, rpc_sync
@@ -29,17 +35,39 @@ from distgrad.rpc.context import (
 from distgrad.rpc.optimizer import DistributedOptimizer
 
 __all__ = [
+    "BackendType",
     "DistAutogradContext",
     "DistributedOptimizer",
     "RRef",
+    "TensorPipeRpcBackendOptions",
+    "WorkerInfo",
     "backward",
     "context",
     "current_context_id",
     "debug_state",
+    "functions",
     "get_gradients",
+    "get_worker_info",
     "init_rpc",
     "remote",
     "rpc_async",
     "rpc_sync",
     "shutdown",
 ]
+
+# Names of torch.distributed.rpc (and its neighbours) that distgrad does not offer, with what
+# to use instead: a porting program gets this instead of a bare AttributeError.
+_NOT_OFFERED = {
+    "RemoteModule": (
+        "distgrad.rpc does not offer RemoteModule: make the module on its worker with "
+        "rref = distgrad.rpc.remote(worker, ModuleClass, args=...), call it with "
+        "rref.rpc_sync().forward(x) (or rpc_async()/remote()), and pass "
+        "[distgrad.rpc.RRef(p) for p in ...] made on that worker to DistributedOptimizer"
+    ),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _NOT_OFFERED:
+        raise AttributeError(_NOT_OFFERED[name])
+    raise AttributeError(f"module 'distgrad.rpc' has no attribute {name!r}")

@@ -74,7 +74,8 @@ def call_async(
     if info is None or torch.autograd._profiler_enabled():  # type: ignore[attr-defined]
         return _torch_call_async(to, fn, args, timeout)
     pickled, tensors = _serializer.serialize(PythonUDF(fn, args, {}))
-    return _invoke_rpc_python_udf(info, pickled, tensors, timeout, False)  # type: ignore[arg-type,no-any-return]
+    is_async = hasattr(fn, "_wrapped_async_rpc_function")  # torch's async_execution mark
+    return _invoke_rpc_python_udf(info, pickled, tensors, timeout, is_async)  # type: ignore[arg-type,no-any-return]
 
 
 def _tensor_at(index: int) -> Tensor:
