@@ -37,14 +37,17 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "static_graph": {"static_graph": True},
     "comm hook": {"comm_hook": default_hooks.fp16_compress_hook},
     "no_sync": {"no_sync": True},
+    "RPC inside the module": {"rpc_inside": True},
 }
 
 
 class _Head(nn.Module):
-    """Two layers on the looked-up rows, and ``spare``."""
+    """Two layers on the looked-up rows, and ``spare``; with ``rpc`` set, the hidden layer
+    goes through worker0 and back between them (the module's own forward makes an RPC)."""
 
-    def __init__(self) -> None:
+    def __init__(self, rpc: Any = None) -> None:
         super().__init__()
+        self.rpc = rpc
         g = torch.Generator().manual_seed(3)
         self.fc1 = nn.Linear(4, 8)
         self.fc2 = nn.Linear(8, 3)
@@ -55,12 +58,16 @@ class _Head(nn.Module):
 
     def forward(self, x: torch.Tensor, use_spare: bool) -> torch.Tensor:
         h = torch.relu(self.fc1(x))
+        if self.rpc is not None:
+            h = self.rpc.rpc_sync("worker0", torch.tanh, args=(h,))
         return self.fc2(h) + (self.spare(h) if use_spare else 0)
 
 
-def _wrap(options: dict[str, Any], group: Any) -> DDP:
-    kwargs = {k: v for k, v in options.items() if k not in ("comm_hook", "no_sync", "unused")}
-    ddp = DDP(_Head(), process_group=group, **kwargs)
+def _wrap(options: dict[str, Any], group: Any, mode: str | None) -> DDP:
+    ours = ("comm_hook", "no_sync", "unused", "rpc_inside")
+    kwargs = {k: v for k, v in options.items() if k not in ours}
+    rpc = (torch_rpc if mode is None else dgrpc) if options.get("rpc_inside") else None
+    ddp = DDP(_Head(rpc), process_group=group, **kwargs)
     if "comm_hook" in options:
         ddp.register_comm_hook(group, options["comm_hook"])
     return ddp
@@ -120,7 +127,7 @@ def _trainers(rank: int, world_size: int, store_dir: str, name: str) -> None:
         # on one trainer, so there DDP's own .grad, without RPC, is the reference.
         reference = "local" if options.get("unused") else None
         modes: list[str | None] = [reference, *H.MODES]
-        modules = [_wrap(options, group) for _ in modes]
+        modules = [_wrap(options, group, mode) for mode in modes]
         for step in range(3):
             steps = []
             for mode, ddp in zip(modes, modules, strict=True):
@@ -144,7 +151,8 @@ def _trainers(rank: int, world_size: int, store_dir: str, name: str) -> None:
 
 @pytest.mark.parametrize("name", list(OPTIONS))
 def test_ddp_gradients_in_the_context_are_torchs_averaged_ones(name: str, tmp_path: Path) -> None:
-    """Three steps, FAST and SMART against torch's engine, bit for bit."""
+    """Three steps, FAST and SMART against torch's engine, bit for bit. (With an RPC inside
+    the module, DDP's reduction spans two engine calls on each trainer.)"""
     run_on_ranks(_trainers, 3, args=(str(tmp_path), name), init="rpc", timeout=90)
 
 
@@ -154,7 +162,7 @@ def _refusals(rank: int, world_size: int, store_dir: str) -> None:
     store = dist.FileStore(str(Path(store_dir) / "ddp"), 2)  # type: ignore[attr-defined]
     dist.init_process_group("gloo", store=store, rank=rank - 1, world_size=2)
     try:
-        ddp = _wrap({}, dist.group.WORLD)
+        ddp = _wrap({}, dist.group.WORLD, "fast")
         rows = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))
         for mode in H.MODES:
             # a second backward over one forward: DDP reduces once per forward

@@ -121,12 +121,14 @@ def run(
         # accumulate_grad): torch's own torch.autograd.backward(..., inputs=...) call.
         _engine.run_backward(tuple(starts), tuple(grads), keep_graph, False, inputs, True, True)
         if reduction is not None:
-            taken += reduction.collect()
+            taken += reduction.finish()
+    except BaseException:
+        if reduction is not None:
+            reduction.abort()
+        raise
     finally:
         for handle in handles:
             handle.remove()
-        if reduction is not None:
-            reduction.restore()
     return taken
 
 
