@@ -625,3 +625,13 @@ def leaf_grad_in(context_id: int, rref: Any) -> Tensor | None:
 
 def leaf_grad_in_scaler(context_id: int, rref: Any) -> Tensor | None:
     return dgrpc.get_gradients(context_id).get(rref.local_value().w)
+
+
+def seeded_linear(seed: int) -> torch.nn.Linear:
+    torch.manual_seed(seed)
+    return torch.nn.Linear(4, 2, dtype=torch.float64)
+
+
+def module_grads(context_id: int, rref: Any) -> list[Tensor]:
+    found = dgrpc.get_gradients(context_id)
+    return [found[p] for p in rref.local_value().parameters()]

@@ -118,6 +118,7 @@ PUBLIC = [
     "DistAutogradContext",
     "DistributedOptimizer",
     "RRef",
+    "RemoteModule",
     "TensorPipeRpcBackendOptions",
     "WorkerInfo",
     "backward",
@@ -151,7 +152,7 @@ def test_the_public_surface_is_pinned_sorted_and_documented() -> None:
 
 
 def test_a_name_distgrad_does_not_offer_says_what_to_use() -> None:
-    with pytest.raises(AttributeError, match=r"rref\.rpc_sync\(\)\.forward"):
-        distgrad.rpc.RemoteModule  # noqa: B018
+    with pytest.raises(AttributeError, match=r"use distgrad\.rpc\.RRef"):
+        distgrad.rpc.PyRRef  # noqa: B018
     with pytest.raises(AttributeError, match="has no attribute 'nonsense'"):
         distgrad.rpc.nonsense  # type: ignore[attr-defined]  # noqa: B018

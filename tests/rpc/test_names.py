@@ -25,6 +25,7 @@ def _names(rank: int, world_size: int) -> None:
         _proxies(mode)
         _async_function(mode)
         _rref_backward(mode)
+        _remote_module(mode)
 
 
 def _proxies(mode: str) -> None:
@@ -81,6 +82,26 @@ def _rref_backward(mode: str) -> None:
     local.backward()
     got = H.query("worker2", F.owner_leaf_grad)
     H.assert_close(got, torch.full((3,), 3.0, dtype=torch.float64), f"{mode}: local backward")
+
+
+def _remote_module(mode: str) -> None:
+    """[torch's RemoteModule tests, the parts distgrad offers] forward and forward_async run
+    on the module's worker, recorded; its parameters get local autograd's gradients."""
+    layer = dgrpc.RemoteModule("worker1/cpu", F.seeded_linear, args=(9,))
+    x = H.leaf(7, 3, 4)
+    v = H.cotangent(8, torch.empty(3, 2, dtype=torch.float64))
+    with dgrpc.context() as cid:
+        y = layer(x) + layer.forward_async(x).wait()
+        dgrpc.backward(cid, [(y * v).sum()], mode=mode)  # type: ignore[arg-type]
+        got = H.query("worker1", F.module_grads, cid, layer.get_module_rref().torch_rref)
+        got_x = dgrpc.get_gradients(cid)[x]
+    local = F.seeded_linear(9)
+    xx = x.detach().requires_grad_()
+    want = torch.autograd.grad((2 * local(xx) * v).sum(), [*local.parameters(), xx])
+    for i, (g, w) in enumerate(zip([*got, got_x], want, strict=True)):
+        H.assert_close(g, w, f"{mode}: RemoteModule gradient {i}")
+    params = layer.remote_parameters()
+    assert len(params) == 2 and all(p.owner_name() == "worker1" for p in params)
 
 
 def test_torchs_other_rpc_names_work_from_distgrad_rpc() -> None:

@@ -4,9 +4,10 @@
 ``torch/testing/_internal/distributed/ddp_under_dist_autograd_test.py`` (8 tests, 6 processes
 each for the first class), unchanged, with their module's ``dist_autograd`` and ``rpc`` (and
 ``dist_utils``'s ``rpc``, which starts and stops the group) pointed at distgrad.rpc: contexts,
-backward in FAST or SMART, get_gradients, rpc_sync, rpc_async, remote, init_rpc, shutdown;
-every other name stays torch's. torch's test internals need ``expecttest``; without it the
-module is skipped. About 25 s per test here; run with ``pytest -m slow``.
+backward in FAST or SMART, get_gradients, rpc_sync, rpc_async, remote, init_rpc, shutdown,
+and its ``RemoteModule``; every other name stays torch's. torch's test internals need
+``expecttest``; without it the module is skipped. About 25 s per test here; run with
+``pytest -m slow``.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ class _Rpc:
 
 
 spec.dist_autograd = _Autograd  # type: ignore[assignment]
+spec.RemoteModule = dgrpc.RemoteModule  # type: ignore[assignment,misc]
 spec.rpc = _Rpc()  # type: ignore[assignment]
 dist_utils.rpc = _Rpc()  # type: ignore[assignment]
 

@@ -33,12 +33,14 @@ from distgrad.rpc.context import (
     get_gradients,
 )
 from distgrad.rpc.optimizer import DistributedOptimizer
+from distgrad.rpc.remote_module import RemoteModule
 
 __all__ = [
     "BackendType",
     "DistAutogradContext",
     "DistributedOptimizer",
     "RRef",
+    "RemoteModule",
     "TensorPipeRpcBackendOptions",
     "WorkerInfo",
     "backward",
@@ -58,11 +60,13 @@ __all__ = [
 # Names of torch.distributed.rpc (and its neighbours) that distgrad does not offer, with what
 # to use instead: a porting program gets this instead of a bare AttributeError.
 _NOT_OFFERED = {
-    "RemoteModule": (
-        "distgrad.rpc does not offer RemoteModule: make the module on its worker with "
-        "rref = distgrad.rpc.remote(worker, ModuleClass, args=...), call it with "
-        "rref.rpc_sync().forward(x) (or rpc_async()/remote()), and pass "
-        "[distgrad.rpc.RRef(p) for p in ...] made on that worker to DistributedOptimizer"
+    "PyRRef": (
+        "distgrad.rpc does not offer PyRRef (torch's internal RRef type): use distgrad.rpc.RRef, "
+        "whose .torch_rref is torch's"
+    ),
+    "get_rpc_timeout": (
+        "distgrad.rpc does not offer get_rpc_timeout: it is plain RPC, use "
+        "torch.distributed.rpc.get_rpc_timeout (same agent)"
     ),
 }
 
