@@ -465,3 +465,173 @@ def deep(x: Tensor, ops: int) -> Tensor:
     for _ in range(ops):
         x = torch.sin(x) * 1.01
     return x
+
+
+# --- Intra-op threads ---------------------------------------------------------------------
+
+_conv_stage: list[torch.nn.Module] = []
+
+
+def conv_stage() -> torch.nn.Module:
+    """A seeded float32 convolution stage, made once per worker (its weight gradient is a
+    reduction whose last bits depend on the number of intra-op threads)."""
+    if not _conv_stage:
+        g = torch.Generator().manual_seed(0)
+        stage = torch.nn.Sequential(
+            torch.nn.Conv2d(4, 8, 3), torch.nn.ReLU(), torch.nn.Conv2d(8, 8, 3), torch.nn.Flatten()
+        )
+        with torch.no_grad():
+            for p in stage.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+        _conv_stage.append(stage)
+    return _conv_stage[0]
+
+
+def run_conv_stage(x: Tensor) -> Tensor:
+    return conv_stage()(x)  # type: ignore[no-any-return]
+
+
+def conv_stage_grads(context_id: int, torch_engine: bool) -> list[Tensor]:
+    """The stage's parameter gradients in a context (torch's or distgrad's)."""
+    if torch_engine:
+        import torch.distributed.autograd as torch_autograd
+
+        found = torch_autograd.get_gradients(context_id)
+    else:
+        found = dgrpc.get_gradients(context_id)
+    return [found[p] for p in conv_stage().parameters()]
+
+
+def set_threads(n: int) -> int:
+    """The process's intra-op threads (set from an RPC thread: the setting is process-wide)."""
+    torch.set_num_threads(n)
+    return torch.get_num_threads()
+
+
+# --- Threads sharing leaves -----------------------------------------------------------------
+
+
+class Identity(torch.autograd.Function):
+    """x, through a Python-defined node: applying it takes the input's autograd mutex while
+    holding the GIL (what made a thread deadlock with another one taking a view of a leaf)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        return grad
+
+
+_server_leaf: list[Tensor] = []
+
+
+def server_leaf() -> Tensor:
+    """A leaf on the worker that runs this, shared by every call (a parameter server's)."""
+    if not _server_leaf:
+        _server_leaf.append(torch.randn(3, 3, dtype=torch.float64, generator=_seeded(7)))
+        _server_leaf[0].requires_grad_(True)
+    return _server_leaf[0]
+
+
+def _seeded(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def times_server_leaf(x: Tensor) -> Tensor:
+    """x * w for the server's shared leaf w, one use of it through a Python-defined node."""
+    w = server_leaf()
+    return x * Identity.apply(w)
+
+
+def server_leaf_grad(context_id: int) -> Tensor:
+    return dgrpc.get_gradients(context_id)[server_leaf()]
+
+
+# --- DDP inside a context ---------------------------------------------------------------------
+
+_ps_table: list[torch.nn.EmbeddingBag] = []
+
+
+def ps_table() -> torch.nn.EmbeddingBag:
+    """A parameter server's seeded embedding table (dense gradients), made once."""
+    if not _ps_table:
+        torch.manual_seed(5)
+        _ps_table.append(torch.nn.EmbeddingBag(16, 4, mode="sum"))
+    return _ps_table[0]
+
+
+def ps_lookup(indices: Tensor, offsets: Tensor) -> Tensor:
+    return ps_table()(indices, offsets)  # type: ignore[no-any-return]
+
+
+def ps_table_grad(context_id: int, torch_engine: bool) -> Tensor | None:
+    if torch_engine:
+        import torch.distributed.autograd as torch_autograd
+
+        return torch_autograd.get_gradients(context_id).get(ps_table().weight)
+    return dgrpc.get_gradients(context_id).get(ps_table().weight)
+
+
+# --- torch's other RPC names ------------------------------------------------------------------
+
+
+@dgrpc.functions.async_execution
+def async_double_add(to: str, x: Tensor, y: Tensor) -> Any:
+    """Marked async_execution: asks ``to`` for x + y and answers 2 * (x + y) when that arrives
+    (the doubling runs in the future's callback, recorded in the context)."""
+    return dgrpc.rpc_async(to, torch.add, args=(x, y)).then(lambda done: done.wait() * 2)
+
+
+class AsyncScaler:
+    """A value whose method is marked async_execution (an RRef proxy must notice)."""
+
+    def __init__(self) -> None:
+        self.w = torch.full((3,), 3.0, dtype=torch.float64, requires_grad=True)
+
+    @dgrpc.functions.async_execution
+    def scaled(self, x: Tensor) -> Any:
+        fut: torch.futures.Future[Tensor] = torch.futures.Future()
+        fut.set_result(x * self.w)
+        return fut
+
+    def get_w(self) -> Tensor:
+        return self.w
+
+
+def squared_sum(x: Tensor) -> Tensor:
+    return (x * x).sum()
+
+
+def local_leaf_sum() -> Tensor:
+    """A scalar from a leaf made here, kept for owner_leaf_grad."""
+    leaf = torch.ones(3, dtype=torch.float64, requires_grad=True)
+    _owned_leaves.append(leaf)
+    return (leaf * 3).sum()
+
+
+_owned_leaves: list[Tensor] = []
+
+
+def owner_leaf_grad() -> Tensor | None:
+    return _owned_leaves[-1].grad
+
+
+def leaf_grad_in(context_id: int, rref: Any) -> Tensor | None:
+    """On the owner of a ThreeByThree: its weight's gradient in the context."""
+    return dgrpc.get_gradients(context_id).get(rref.local_value().w)
+
+
+def leaf_grad_in_scaler(context_id: int, rref: Any) -> Tensor | None:
+    return dgrpc.get_gradients(context_id).get(rref.local_value().w)
+
+
+def seeded_linear(seed: int) -> torch.nn.Linear:
+    torch.manual_seed(seed)
+    return torch.nn.Linear(4, 2, dtype=torch.float64)
+
+
+def module_grads(context_id: int, rref: Any) -> list[Tensor]:
+    found = dgrpc.get_gradients(context_id)
+    return [found[p] for p in rref.local_value().parameters()]

@@ -99,3 +99,12 @@ def no_state_left(world_size: int) -> None:
     for w, state in enumerate(states(world_size)):
         for key in ("contexts", "passes_in_flight", "smart_passes", "sends", "recvs"):
             assert state[key] == 0, f"worker{w} still holds {state[key]} {key}: {state}"
+
+
+def assert_equal(got: Tensor | None, want: Tensor | None, what: str) -> None:
+    """``got`` equals ``want`` bit for bit (both ``None``, or same values, dtype and layout)."""
+    assert (got is None) == (want is None), f"{what}: got {got}, want {want}"
+    if got is not None and want is not None:
+        assert torch.equal(dense(got), dense(want)), (  # type: ignore[arg-type]
+            f"{what}: differs by up to {float((dense(got) - dense(want)).abs().max())}"  # type: ignore[operator]
+        )

@@ -10,6 +10,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 import distgrad.rpc
 
 PACKAGE = "distgrad.rpc"
@@ -112,14 +114,20 @@ def test_only_the_transport_and_lifecycle_talk_to_torch_rpc_directly() -> None:
 
 
 PUBLIC = [
+    "BackendType",
     "DistAutogradContext",
     "DistributedOptimizer",
     "RRef",
+    "RemoteModule",
+    "TensorPipeRpcBackendOptions",
+    "WorkerInfo",
     "backward",
     "context",
     "current_context_id",
     "debug_state",
+    "functions",
     "get_gradients",
+    "get_worker_info",
     "init_rpc",
     "remote",
     "rpc_async",
@@ -128,7 +136,23 @@ PUBLIC = [
 ]
 
 
+# Plain RPC names, torch's own objects (a porting program imports them from distgrad.rpc).
+TORCHS = ["BackendType", "TensorPipeRpcBackendOptions", "WorkerInfo", "get_worker_info"]
+
+
 def test_the_public_surface_is_pinned_sorted_and_documented() -> None:
+    from torch.distributed import rpc as torch_rpc
+
     assert distgrad.rpc.__all__ == PUBLIC
     for name in PUBLIC:
-        assert getattr(distgrad.rpc, name).__doc__, f"distgrad.rpc.{name} has no docstring"
+        if name in TORCHS:
+            assert getattr(distgrad.rpc, name) is getattr(torch_rpc, name), name
+        else:
+            assert getattr(distgrad.rpc, name).__doc__, f"distgrad.rpc.{name} has no docstring"
+
+
+def test_a_name_distgrad_does_not_offer_says_what_to_use() -> None:
+    with pytest.raises(AttributeError, match=r"use distgrad\.rpc\.RRef"):
+        distgrad.rpc.PyRRef  # noqa: B018
+    with pytest.raises(AttributeError, match="has no attribute 'nonsense'"):
+        distgrad.rpc.nonsense  # type: ignore[attr-defined]  # noqa: B018

@@ -12,7 +12,7 @@ from __future__ import annotations
 import collections
 import threading
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -68,6 +68,7 @@ class DistAutogradContext:
         self.graph_freed = False
         self.pass_states: dict[int, PassState] = {}  # pass id -> an engine's state here
         self.aborted_passes: set[int] = set()
+        self.ddp: Any = None  # _ddp.Reductions, once a DDP forward ran in this context
 
     def know(self, worker: str) -> None:
         """Remember that this context exchanged messages with ``worker``. Holds the lock."""

@@ -13,6 +13,13 @@ gradient for the context and hands the node ``None`` instead, so ``.grad`` is ne
 the calling thread, which is where torch runs CPU nodes: a local backward that another thread
 runs through the same leaf at the same moment is left alone.
 
+Intra-op threads: every engine call first applies the process's ``torch.set_num_threads``
+setting to the calling thread (``torch._C.init_num_threads``, 0.07 us). OpenMP keeps the
+thread count per thread, and a thread takes the process's setting only at its first parallel
+op: an RPC thread that ran a forward before the program called ``torch.set_num_threads(1)``
+kept 2 threads, while torch's engine, whose threads start at the first backward, used 1, and
+a convolution's weight gradient differed from torch's in the last bits.
+
 SMART also needs to stop the engine at chosen nodes, which torch's engine can only do in its
 ``grad`` mode (:func:`capture`): a node whose input is captured does not run unless another
 captured node lies below it, and the node above it computes the gradient along the edge only
@@ -30,17 +37,20 @@ from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge
 from torch.autograd.variable import Variable
 
 from distgrad.rpc import _context
+from distgrad.rpc._ddp import Reductions
 from distgrad.rpc._records import Leaf, Target
 from distgrad.rpc.send_recv import is_recv_node
 
 __all__ = ["Cut", "Walk", "capture", "run", "walk"]
 
 _engine: Any = Variable._execution_engine  # type: ignore[attr-defined]
+_init_num_threads: Callable[[], None] = torch._C.init_num_threads  # type: ignore[attr-defined]
 
 # (node, the positions of its next edges to cut, called with (node, position, gradient))
 Cut = tuple[Any, Sequence[int], Callable[[Any, int, Tensor], None]]
@@ -85,20 +95,37 @@ def run(
     more_inputs: Sequence[Tensor | GradientEdge] = (),
     *,
     keep_graph: bool = True,
+    ddp: Reductions | None = None,
 ) -> list[tuple[Tensor, Tensor]]:
     """One engine call in ``backward`` mode from ``starts`` (given ``grads``); returns the
     leaves' gradients. The nodes that run are those on a path to one of ``leaves`` or
-    ``more_inputs``.
+    ``more_inputs``. ``ddp``: the context's DDP modules; the parameters of those this call
+    reaches get DDP's averaged gradients (see ``_ddp``).
     """
     me = threading.get_ident()
     taken: list[tuple[Tensor, Tensor]] = []
-    handles = [node.register_prehook(_taker(leaf, taken, me)) for leaf, node in leaves]
+    reduction = ddp.begin(leaves, capturing=False) if ddp is not None else None
+    through = reduction.through if reduction is not None else set()
+    handles = [
+        node.register_prehook(_taker(leaf, taken, me))
+        for leaf, node in leaves
+        if id(leaf) not in through
+    ]
     inputs = (*(leaf for leaf, _ in leaves), *more_inputs)
     _context.counters["engine_runs"] += 1
+    _init_num_threads()  # this thread's intra-op threads: the process's (see above)
     try:
+        if reduction is not None:
+            reduction.__enter__()
         # (outputs, their gradients, keep_graph, create_graph, inputs, allow_unreachable,
         # accumulate_grad): torch's own torch.autograd.backward(..., inputs=...) call.
         _engine.run_backward(tuple(starts), tuple(grads), keep_graph, False, inputs, True, True)
+        if reduction is not None:
+            taken += reduction.finish()
+    except BaseException:
+        if reduction is not None:
+            reduction.abort()
+        raise
     finally:
         for handle in handles:
             handle.remove()
@@ -110,15 +137,21 @@ def capture(
     grads: Sequence[Tensor],
     inputs: Sequence[Tensor | GradientEdge],
     cuts: Sequence[Cut],
+    leaves: Sequence[Leaf] = (),
+    ddp: Reductions | None = None,
 ) -> tuple[Tensor | None, ...]:
     """One engine call in ``grad`` mode: the gradients reaching ``inputs`` (leaves or edges).
 
     The graph is kept: a captured node with another captured node below it runs (with the
-    ``None`` its cuts leave it), and must run again later with its real gradient.
+    ``None`` its cuts leave it), and must run again later with its real gradient. DDP's hooks
+    do not run here: ``leaves`` reaching a DDP module of ``ddp`` raise (see ``_ddp``).
     """
+    if ddp is not None:
+        ddp.begin(leaves, capturing=True)
     me = threading.get_ident()
     handles = [node.register_hook(_cutter(node, at, call, me)) for node, at, call in cuts]
     _context.counters["engine_runs"] += 1
+    _init_num_threads()
     try:
         found: tuple[Tensor | None, ...] = _engine.run_backward(
             tuple(starts), tuple(grads), True, False, tuple(inputs), True, False

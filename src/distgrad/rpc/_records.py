@@ -26,10 +26,11 @@ __all__ = [
     "target_of",
 ]
 
-# Where a sent tensor's gradient enters this worker's graph: a leaf is kept as itself; any
-# other tensor as its gradient edge (its grad_fn and output number). The edge keeps the graph
-# but not the tensor's data, which can be freed as soon as the message is sent, and it still
-# names the value that was sent if the tensor is later modified in place.
+# Where a sent tensor's gradient enters this worker's graph: its gradient edge (its grad_fn and
+# output number; a leaf's AccumulateGrad, with a node that owns it: see target_of). The edge
+# keeps the graph but not the tensor's data, which can be freed as soon as the message is
+# sent, and it still names the value that was sent if the tensor is later modified in place.
+# (Bare tensors are still accepted where a target is read.)
 Target: TypeAlias = "Tensor | GradientEdge"
 
 # A leaf tensor requiring grad and its AccumulateGrad node (found by walking the graph).
@@ -40,16 +41,27 @@ Leaf: TypeAlias = "tuple[Tensor, Any]"
 Lineage: TypeAlias = "dict[str, frozenset[int]]"
 
 
-def target_of(t: Tensor) -> Target:
-    if t.grad_fn is None:
-        return t
-    if t.layout == torch.strided:
+def target_of(t: Tensor) -> GradientEdge:
+    """The gradient edge of a tensor requiring grad, with a node that owns its graph in C++.
+
+    For a leaf the owner matters: torch keeps a leaf's AccumulateGrad only weakly, and when
+    the only owner left is its Python wrapper, any thread that reaches the leaf's accumulator
+    (an op on the leaf, ``view_as`` included) does so holding the leaf's autograd mutex and
+    then waits for the GIL to take the wrapper. A thread holding the GIL and waiting for that
+    mutex (torch's ``backward`` from the leaf itself, a custom Function applied to it) then
+    deadlocked with it: two threads, each with a context and a backward over the same leaf,
+    hung 1 run in 14 (issue 20 item 5). The owner here (a view's node, whose edge holds the
+    accumulator in C++) lives as long as the record, so no thread ever needs the GIL there.
+    """
+    if t.grad_fn is not None and t.layout == torch.strided:
         return get_gradient_edge(t)
-    # get_gradient_edge keeps a Python-defined node's graph alive through a view of ``t``,
-    # which sparse tensors do not have; a clone's node holds the graph the same way.
+    # A view's node owns the graph below it (get_gradient_edge's own trick for Python-defined
+    # nodes); sparse tensors have no views, and a clone's node holds the graph the same way.
     with torch.enable_grad():
-        token = t.clone().grad_fn
-    return GradientEdge(t.grad_fn, t.output_nr, token)
+        token = (t.view_as(t) if t.layout == torch.strided else t.clone()).grad_fn
+    assert token is not None
+    node: Any = t.grad_fn if t.grad_fn is not None else token.next_functions[0][0]
+    return GradientEdge(node, t.output_nr, token)
 
 
 def node_of(target: Target) -> Any:

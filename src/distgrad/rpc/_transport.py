@@ -74,7 +74,8 @@ def call_async(
     if info is None or torch.autograd._profiler_enabled():  # type: ignore[attr-defined]
         return _torch_call_async(to, fn, args, timeout)
     pickled, tensors = _serializer.serialize(PythonUDF(fn, args, {}))
-    return _invoke_rpc_python_udf(info, pickled, tensors, timeout, False)  # type: ignore[arg-type,no-any-return]
+    is_async = hasattr(fn, "_wrapped_async_rpc_function")  # torch's async_execution mark
+    return _invoke_rpc_python_udf(info, pickled, tensors, timeout, is_async)  # type: ignore[arg-type,no-any-return]
 
 
 def _tensor_at(index: int) -> Tensor:
@@ -84,19 +85,26 @@ def _tensor_at(index: int) -> Tensor:
 
 class _Serializer(threading.local):
     """torch's RPC pickling (bytes plus a table of the tensors, which travel beside them), with
-    one pickler per thread kept between messages.
+    one buffer and one dispatch table per thread kept between messages.
 
-    torch's ``_InternalRPCPickler.serialize`` builds a pickler and a buffer per message, and
+    torch's ``_InternalRPCPickler.serialize`` builds its dispatch table per message, and
     pickles each tensor as ``getattr(_InternalRPCPickler, '_tensor_receiver')``, two globals;
-    here a tensor is one global, :func:`_tensor_at`. Measured hot on this machine: a gradient
-    message 19 us against 31 us, a call's request 29 us against 37 us. The receiver is torch's
-    own ``deserialize``. The same reducers are used (RRefs, and those registered with torch's
+    here a tensor is one global, :func:`_tensor_at`. The receiver is torch's own
+    ``deserialize``. The same reducers are used (RRefs, and those registered with torch's
     pickler); a message pickled while one is being pickled on this thread goes to torch's.
+
+    The pickler itself is made per message and dropped before the answer returns. A pickler
+    kept between messages segfaulted the process (4 of 64 runs of the trainers-and-servers
+    test; a core showed the garbage collector, on another thread, visiting a freed object in
+    the kept pickler's memo): ``clear_memo()`` drops each memoized object before it empties
+    the table, and dropping the previous message's last tensor may let another thread run
+    and collect while the table still names it. A dropped pickler leaves the collector's
+    view before its memo is freed.
     """
 
     def __init__(self) -> None:
         self.buffer = io.BytesIO()
-        self.pickler = pickle.Pickler(self.buffer)
+        self.table: dict[Any, Any] = {}
         self.tensors: list[Tensor] = []
         self.busy = False
         self.registered = -1  # how many reducers torch's pickler had when the table was made
@@ -112,7 +120,7 @@ class _Serializer(threading.local):
         table[PyRRef] = torch_pickler._py_rref_reducer
         table[torch_rpc.RRef] = torch_pickler._rref_reducer
         table.update(torch_pickler._class_reducer_dict)
-        self.pickler.dispatch_table = table  # type: ignore[assignment]
+        self.table = table
         self.registered = len(torch_pickler._class_reducer_dict)
 
     def serialize(self, obj: Any) -> tuple[bytes, list[Tensor]]:
@@ -125,8 +133,10 @@ class _Serializer(threading.local):
             self.buffer.seek(0)
             self.buffer.truncate()
             self.tensors = []
-            self.pickler.clear_memo()
-            self.pickler.dump(obj)
+            pickler = pickle.Pickler(self.buffer)
+            pickler.dispatch_table = self.table  # type: ignore[assignment]
+            pickler.dump(obj)
+            del pickler  # while every object its memo names is still alive (see above)
             return self.buffer.getvalue(), self.tensors
         finally:
             self.tensors = []

@@ -30,11 +30,16 @@ from distgrad.errors import RpcAutogradError
 from distgrad.rpc import _identity, _liveness, _release, _transport
 from distgrad.rpc._context import get_or_create, lookup
 from distgrad.rpc._wire import Envelope
+from distgrad.rpc.backward import backward
 from distgrad.rpc.send_recv import attach_recv, detach_for_send
 
 __all__ = ["RRef", "remote", "rpc_async", "rpc_sync"]
 
 T = TypeVar("T")
+# torch's decorator (untyped): the callee answers when the returned future completes.
+_async_execution: Callable[[Callable[..., Any]], Callable[..., Any]] = (
+    torch_rpc.functions.async_execution
+)
 _UNSET = -1.0  # torch's "use the agent's default timeout"
 Worker: TypeAlias = "str | int | WorkerInfo"
 
@@ -108,7 +113,8 @@ def remote(
     to_name = _identity.name_of(to)
     request = _envelope(context_id, to_name, (tuple(args or ()), dict(kwargs or {})))
     wire_func = _by_reference(func)
-    return RRef._wrap(_transport.remote(to_name, _serve_remote, (request, wire_func), timeout))
+    serve = _serve_async_remote if _is_async(func) else _serve_remote
+    return RRef._wrap(_transport.remote(to_name, serve, (request, wire_func), timeout))
 
 
 class RRef(Generic[T]):
@@ -163,8 +169,82 @@ class RRef(Generic[T]):
         fetched: T = rpc_sync(self.owner_name(), _local_value, args=(self._rref,), timeout=timeout)
         return fetched
 
+    def rpc_sync(self, timeout: float = _UNSET) -> Any:
+        """A proxy: ``rref.rpc_sync().method(*args)`` runs ``method`` on the value, on its
+        owner, as :func:`rpc_sync` does (recorded inside a context)."""
+        return _Proxy(self, rpc_sync, timeout)
+
+    def rpc_async(self, timeout: float = _UNSET) -> Any:
+        """A proxy: ``rref.rpc_async().method(*args)`` is a future of ``method``'s result."""
+        return _Proxy(self, rpc_async, timeout)
+
+    def remote(self, timeout: float = _UNSET) -> Any:
+        """A proxy: ``rref.remote().method(*args)`` is an :class:`RRef` to ``method``'s
+        result, which stays on the owner."""
+        return _Proxy(self, remote, timeout)
+
+    def backward(
+        self,
+        dist_autograd_ctx_id: int = -1,
+        retain_graph: bool = False,
+        *,
+        mode: str = "fast",
+    ) -> None:
+        """Run a backward from the value (a scalar) on its owner: a distributed backward in
+        context ``dist_autograd_ctx_id`` (``mode`` as in :func:`distgrad.rpc.backward`), or,
+        with the default ``-1``, torch's local ``backward`` there, as torch's ``RRef.backward``.
+        """
+        args = (self._rref, dist_autograd_ctx_id, retain_graph, mode)
+        if self.is_owner():
+            _backward_on_owner(*args)
+        else:
+            rpc_sync(self.owner_name(), _backward_on_owner, args=args)
+
     def __repr__(self) -> str:
         return f"distgrad.rpc.RRef(owner={self.owner_name()!r})"
+
+
+class _Proxy:
+    """``rref.rpc_sync()`` and its siblings: attribute ``name`` is a call of the value's
+    method ``name`` on its owner."""
+
+    def __init__(self, rref: RRef[Any], call: Callable[..., Any], timeout: float) -> None:
+        self._rref = rref
+        self._call = call
+        self._timeout = timeout
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        def method(*args: Any, **kwargs: Any) -> Any:
+            invoke = _invoke_async if _method_is_async(self._rref, name) else _invoke
+            args = (self._rref.torch_rref, name, args, kwargs)
+            return self._call(self._rref.owner_name(), invoke, args=args, timeout=self._timeout)
+
+        return method
+
+
+def _invoke(rref: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    return getattr(rref.local_value(), name)(*args, **kwargs)
+
+
+@_async_execution
+def _invoke_async(rref: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    return getattr(rref.local_value(), name)(*args, **kwargs)
+
+
+def _method_is_async(rref: RRef[Any], name: str) -> bool:
+    """Whether the value's method ``name`` is marked ``async_execution`` (its type is asked
+    of the owner once, by torch, as torch's proxies do)."""
+    with _transport.marked():  # torch's own type query, allowed inside a context
+        value_type = rref.torch_rref._get_type(blocking=True)
+    return _is_async(getattr(value_type, name, None))
+
+
+def _backward_on_owner(rref: Any, context_id: int, retain_graph: bool, mode: str) -> None:
+    value = rref.local_value()
+    if context_id == -1:
+        value.backward(retain_graph=retain_graph)
+    else:
+        backward(context_id, [value], retain_graph, mode=mode)  # type: ignore[arg-type]
 
 
 def _local_value(rref: Any) -> Any:
@@ -213,9 +293,11 @@ def _send_call(
     request = _envelope(context_id, to_name, (tuple(args or ()), dict(kwargs or {})))
     wire_func = _by_reference(func)
 
+    serve = _serve_async_call if _is_async(func) else _serve_call
+
     def send(releases: list[int] | None) -> Future[Envelope]:
         request.releases = releases
-        return _transport.call_async(to_name, _serve_call, (request, wire_func), timeout)
+        return _transport.call_async(to_name, serve, (request, wire_func), timeout)
 
     return to_name, _release.carry(to_name, send)
 
@@ -255,3 +337,20 @@ def _serve_call(request: Envelope, func: Any) -> Envelope:
 
 def _serve_remote(request: Envelope, func: Any) -> Any:
     return _run_inside(request, func)
+
+
+@_async_execution
+def _serve_async_call(request: Envelope, func: Any) -> Future[Envelope]:
+    """A function marked ``async_execution`` returns a future; the answer goes when it
+    completes, with what its value requires grad recorded as any call's result."""
+    pending: Future[Any] = _run_inside(request, func)
+    return pending.then(lambda done: _envelope(request.context_id, request.sender, done.wait()))
+
+
+@_async_execution
+def _serve_async_remote(request: Envelope, func: Any) -> Future[Any]:
+    return _run_inside(request, func)  # type: ignore[no-any-return]
+
+
+def _is_async(func: Any) -> bool:
+    return hasattr(func, "_wrapped_async_rpc_function")

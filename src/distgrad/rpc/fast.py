@@ -88,7 +88,7 @@ def _run_phase(
 ) -> None:
     # The graph is kept: a later message of the same pass may reach the same nodes.
     with phase(ctx, active):
-        taken = _local.run(starts, grads, leaves, (ANCHOR,))
+        taken = _local.run(starts, grads, leaves, (ANCHOR,), ddp=ctx.ddp)
         ctx.store(taken, foreign)
 
 
@@ -104,10 +104,5 @@ def _send(ctx: DistAutogradContext, message_id: int) -> SendRecord:
 
 def _leaves_below(record: SendRecord) -> list[Leaf]:
     if record.leaves is None:  # found once per send (or when it was sent; see send_recv)
-        # A sent leaf is its own leaf: no walk (the arguments of most calls are leaves).
-        leaves = [(t, node_of(t)) for t in record.targets if isinstance(t, Tensor)]
-        edges = [t.node for t in record.targets if not isinstance(t, Tensor)]
-        if edges:
-            leaves += _local.walk(edges, {id(node) for _, node in leaves}).leaves
-        record.leaves = leaves
+        record.leaves = _local.walk(node_of(t) for t in record.targets).leaves
     return record.leaves

@@ -263,14 +263,16 @@ def _run(
     grads = [grad for _, _, grad in starts]
     if not cuts:
         recvs = [GradientEdge(node, 0) for node in found.recvs]
-        taken = _local.run(edges, grads, found.leaves, recvs, keep_graph=state.retain_graph)
+        taken = _local.run(
+            edges, grads, found.leaves, recvs, keep_graph=state.retain_graph, ddp=ctx.ddp
+        )
         ctx.store(taken, state.foreign)
         return
     slots = [(n, k) for n in found.recvs for k in range(ctx.recvs[n.message_id].num_outputs)]
     inputs: list[Tensor | GradientEdge] = [leaf for leaf, _ in found.leaves]
     inputs += [GradientEdge(node, k) for node, k in slots]
     inputs += held.values()
-    got = _local.capture(edges, grads, inputs, cuts)
+    got = _local.capture(edges, grads, inputs, cuts, found.leaves, ctx.ddp)
     n_leaves = len(found.leaves)
     pairs = zip(found.leaves, got[:n_leaves], strict=True)
     ctx.store([(leaf, g) for (leaf, _), g in pairs if g is not None], state.foreign)

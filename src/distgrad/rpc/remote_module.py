@@ -1,0 +1,72 @@
+"""``RemoteModule``: a module made and run on another worker, used like a local one.
+
+What people used ``torch.distributed.nn.RemoteModule`` for, on distgrad's calls: the module
+lives on its worker behind an :class:`~distgrad.rpc.RRef`; ``forward`` is an
+:func:`~distgrad.rpc.rpc_sync` to it (recorded inside a context, so gradients reach its
+parameters there), ``forward_async`` an :func:`~distgrad.rpc.rpc_async`, and
+``remote_parameters()`` gives RRefs of its parameters for
+:class:`~distgrad.rpc.DistributedOptimizer`. CPU only.
+
+Cost: creating one is one RPC; each forward is one RPC (a round trip).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.futures import Future
+
+from distgrad.rpc.calls import RRef, remote, rpc_async, rpc_sync
+
+__all__ = ["RemoteModule"]
+
+
+class RemoteModule(nn.Module):
+    """``module_cls(*args, **kwargs)`` made on ``remote_device`` (``"worker1"`` or
+    ``"worker1/cpu"``) and run there by :meth:`forward`."""
+
+    def __init__(
+        self,
+        remote_device: str,
+        module_cls: type[nn.Module],
+        args: tuple[Any, ...] | None = None,
+        kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        worker, _, device = remote_device.partition("/")
+        if device not in ("", "cpu"):
+            raise ValueError(
+                f"RemoteModule: distgrad.rpc runs modules on CPU only, got device {device!r} "
+                f"in remote_device={remote_device!r}"
+            )
+        self.on = worker
+        self.module_rref: RRef[nn.Module] = remote(worker, module_cls, args, kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's forward on its worker (one RPC; recorded inside a context)."""
+        return rpc_sync(self.on, _forward, (self.module_rref.torch_rref, args, kwargs))
+
+    def forward_async(self, *args: Any, **kwargs: Any) -> Future[Any]:
+        """A future of the module's forward on its worker."""
+        return rpc_async(self.on, _forward, (self.module_rref.torch_rref, args, kwargs))
+
+    def remote_parameters(self, recurse: bool = True) -> list[RRef[torch.Tensor]]:
+        """RRefs of the module's parameters (owned by its worker), for DistributedOptimizer."""
+        found = rpc_sync(self.on, _parameter_rrefs, (self.module_rref.torch_rref, recurse))
+        return [RRef._wrap(r) for r in found]
+
+    def get_module_rref(self) -> RRef[nn.Module]:
+        """The RRef of the module on its worker."""
+        return self.module_rref
+
+
+def _forward(rref: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    return rref.local_value()(*args, **kwargs)
+
+
+def _parameter_rrefs(rref: Any, recurse: bool) -> list[Any]:
+    from torch.distributed import rpc as torch_rpc
+
+    return [torch_rpc.RRef(p) for p in rref.local_value().parameters(recurse)]

@@ -1,0 +1,108 @@
+"""The rest of torch's RPC names, from distgrad.rpc: plain RPC names are torch's own; RRef
+proxies, functions marked ``async_execution`` and ``RRef.backward`` are recorded in a context
+like rpc_sync/rpc_async/remote, and their gradients equal local autograd's (both modes)."""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed import rpc as torch_rpc
+
+import distgrad.rpc as dgrpc
+from distgrad.testing import run_on_ranks
+from tests.rpc import _funcs as F
+from tests.rpc import _helpers as H
+
+
+def _names(rank: int, world_size: int) -> None:
+    if rank != 0:
+        return
+    info = dgrpc.get_worker_info("worker1")
+    assert isinstance(info, dgrpc.WorkerInfo) and (info.name, info.id) == ("worker1", 1)
+    assert dgrpc.get_worker_info().name == "worker0"
+    assert dgrpc.BackendType.TENSORPIPE is torch_rpc.BackendType.TENSORPIPE
+    assert dgrpc.TensorPipeRpcBackendOptions is torch_rpc.TensorPipeRpcBackendOptions
+    for mode in H.MODES:
+        _proxies(mode)
+        _async_function(mode)
+        _rref_backward(mode)
+        _remote_module(mode)
+
+
+def _proxies(mode: str) -> None:
+    """[torch's test_rref_proxy_*] Each proxy kind, and a method marked async_execution."""
+    x = H.leaf(1, 3, 3)
+    v = H.cotangent(2, x)
+    server = dgrpc.remote("worker1", F.ThreeByThree)
+    scaler = dgrpc.remote("worker2", F.AsyncScaler)
+    with dgrpc.context() as cid:
+        x32 = x.float()  # the server's weight is float32
+        a = server.rpc_sync().forward(x32)
+        b = server.rpc_async().forward(x32).wait()
+        c = server.remote().forward(x32).to_here()
+        d = scaler.rpc_sync().scaled(x[0])
+        dgrpc.backward(cid, [((a + b + c) * v).sum() + d.sum()], mode=mode)  # type: ignore[arg-type]
+        got_x = dgrpc.get_gradients(cid)[x]
+        got_w = H.query("worker1", F.leaf_grad_in, cid, server.torch_rref)
+        got_s = H.query("worker2", F.leaf_grad_in_scaler, cid, scaler.torch_rref)
+    w = H.query("worker1", F.call_method, F.ThreeByThree.get_w, server.torch_rref)
+    w = w.detach().requires_grad_()
+    s = torch.full((3,), 3.0, dtype=torch.float64, requires_grad=True)
+    xx = x.detach().requires_grad_()
+    loss = ((3 * torch.mm(w, xx.float())) * v).sum() + (xx[0] * s).sum()
+    want_x, want_w, want_s = torch.autograd.grad(loss, [xx, w, s])
+    tol = {"rtol": H.RTOL32, "atol": H.ATOL32}  # float32 products
+    H.assert_close(got_x, want_x, f"{mode}: x", **tol)
+    H.assert_close(got_w, want_w, f"{mode}: server's w", **tol)
+    H.assert_close(got_s, want_s, f"{mode}: scaler's w")
+
+
+def _async_function(mode: str) -> None:
+    """[torch's test_async_function_*] A function marked async_execution whose future's value
+    requires grad (made by a nested call and a callback): the gradient reaches the caller."""
+    x, y = H.leaf(3, 4), H.leaf(4, 4)
+    v = H.cotangent(5, x)
+    with dgrpc.context() as cid:
+        out = dgrpc.rpc_sync("worker1", F.async_double_add, args=("worker2", x, y))
+        dgrpc.backward(cid, [(out * v).sum()], mode=mode)  # type: ignore[arg-type]
+        got = dgrpc.get_gradients(cid)
+    torch.testing.assert_close(out.detach(), 2 * (x + y).detach())
+    H.assert_close(got[x], 2 * v, f"{mode}: x through an async function")
+    H.assert_close(got[y], 2 * v, f"{mode}: y through an async function")
+
+
+def _rref_backward(mode: str) -> None:
+    """[torch's test_rref_backward*] RRef.backward in a context reaches the caller's leaves;
+    with no context it is a local backward on the owner."""
+    x = H.leaf(6, 5)
+    with dgrpc.context() as cid:
+        rref = dgrpc.remote("worker1", F.squared_sum, args=(x,))
+        rref.backward(cid, mode=mode)
+        H.assert_close(dgrpc.get_gradients(cid)[x], 2 * x.detach(), f"{mode}: RRef.backward")
+    local = dgrpc.remote("worker2", F.local_leaf_sum)
+    local.backward()
+    got = H.query("worker2", F.owner_leaf_grad)
+    H.assert_close(got, torch.full((3,), 3.0, dtype=torch.float64), f"{mode}: local backward")
+
+
+def _remote_module(mode: str) -> None:
+    """[torch's RemoteModule tests, the parts distgrad offers] forward and forward_async run
+    on the module's worker, recorded; its parameters get local autograd's gradients."""
+    layer = dgrpc.RemoteModule("worker1/cpu", F.seeded_linear, args=(9,))
+    x = H.leaf(7, 3, 4)
+    v = H.cotangent(8, torch.empty(3, 2, dtype=torch.float64))
+    with dgrpc.context() as cid:
+        y = layer(x) + layer.forward_async(x).wait()
+        dgrpc.backward(cid, [(y * v).sum()], mode=mode)  # type: ignore[arg-type]
+        got = H.query("worker1", F.module_grads, cid, layer.get_module_rref().torch_rref)
+        got_x = dgrpc.get_gradients(cid)[x]
+    local = F.seeded_linear(9)
+    xx = x.detach().requires_grad_()
+    want = torch.autograd.grad((2 * local(xx) * v).sum(), [*local.parameters(), xx])
+    for i, (g, w) in enumerate(zip([*got, got_x], want, strict=True)):
+        H.assert_close(g, w, f"{mode}: RemoteModule gradient {i}")
+    params = layer.remote_parameters()
+    assert len(params) == 2 and all(p.owner_name() == "worker1" for p in params)
+
+
+def test_torchs_other_rpc_names_work_from_distgrad_rpc() -> None:
+    run_on_ranks(_names, 3, init="rpc")
