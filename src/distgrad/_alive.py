@@ -219,25 +219,12 @@ def _connect(rank: int) -> socket.socket | None:
 
 def forget() -> None:
     """Close every connection and forget the store (the default group is gone)."""
-    global _published_in, _store_keep
     with _lock:
-        for conn in _peers.values():
-            if conn is not None:
-                conn.close()
-        _peers.clear()
-        _gone.clear()
-        _retry_at.clear()
-        _published_in = _store_keep = None
+        _close(listener=False)
 
 
-def _after_fork_in_child() -> None:
-    """A forked child is not the rank: it must not keep the rank's sockets open."""
-    global _listener, _published_in, _store_keep, _lock
-    _lock = threading.Lock()
-    if _listener is not None:
-        with contextlib.suppress(OSError):
-            _listener.close()
-    _listener = None
+def _close(listener: bool) -> None:
+    global _listener, _published_in, _store_keep
     for conn in _peers.values():
         if conn is not None:
             with contextlib.suppress(OSError):
@@ -246,14 +233,22 @@ def _after_fork_in_child() -> None:
     _gone.clear()
     _retry_at.clear()
     _published_in = _store_keep = None
+    if listener and _listener is not None:
+        with contextlib.suppress(OSError):
+            _listener.close()
+        _listener = None
+
+
+def _after_fork_in_child() -> None:
+    """A forked child is not the rank: it must not keep the rank's sockets open."""
+    global _lock
+    _lock = threading.Lock()  # another thread of the parent may have held it at the fork
+    _close(listener=True)
 
 
 def _close_at_exit() -> None:
-    global _listener
-    forget()
-    if _listener is not None:
-        _listener.close()
-        _listener = None
+    with _lock:
+        _close(listener=True)
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -7,77 +7,23 @@ is one, and the package itself (whose ``__init__`` imports everything) otherwise
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 
 import pytest
 
 import distgrad.rpc
+from tests.import_graph import Graph, find_cycle, import_graph
 
 PACKAGE = "distgrad.rpc"
 ROOT = Path(distgrad.rpc.__file__).parent
 
 
-def _module_names() -> dict[str, Path]:
-    names = {}
-    for path in sorted(ROOT.glob("*.py")):
-        name = PACKAGE if path.stem == "__init__" else f"{PACKAGE}.{path.stem}"
-        names[name] = path
-    return names
+def _graph() -> Graph:
+    return import_graph(PACKAGE)
 
 
-def _imports(name: str, path: Path, modules: set[str]) -> set[str]:
-    """The modules of the package that ``name`` imports, anywhere in its file."""
-    found: set[str] = set()
-    package = name if name == PACKAGE else name.rsplit(".", 1)[0]
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            targets = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                base = ".".join(
-                    [*package.split(".")[: len(package.split(".")) - node.level + 1], base]
-                ).rstrip(".")
-            targets = []
-            for alias in node.names:
-                sub = f"{base}.{alias.name}"
-                targets.append(sub if sub in modules else base)
-        else:
-            continue
-        for target in targets:
-            while target and target not in modules:  # import distgrad.rpc.x.y -> distgrad.rpc.x
-                target = target.rpartition(".")[0]
-            if target and target != name:
-                found.add(target)
-    return found
-
-
-def _graph() -> dict[str, set[str]]:
-    modules = _module_names()
-    return {name: _imports(name, path, set(modules)) for name, path in modules.items()}
-
-
-def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
-    state: dict[str, int] = {}  # 1: on the current path, 2: done
-    path: list[str] = []
-
-    def visit(node: str) -> list[str] | None:
-        state[node] = 1
-        path.append(node)
-        for nxt in sorted(graph[node]):
-            if state.get(nxt) == 1:
-                return [*path[path.index(nxt) :], nxt]
-            if nxt not in state and (found := visit(nxt)):
-                return found
-        path.pop()
-        state[node] = 2
-        return None
-
-    for start in sorted(graph):
-        if start not in state and (found := visit(start)):
-            return found
-    return None
+def _cycle(graph: Graph) -> list[str] | None:
+    return find_cycle(graph)
 
 
 def test_no_import_circle_in_distgrad_rpc() -> None:

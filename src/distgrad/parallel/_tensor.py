@@ -25,7 +25,7 @@ the edges of a sequence-parallel region, :func:`split_to_sequence` and
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -291,6 +291,23 @@ def _split(total: int, size: int, given: Sequence[int] | None, what: str) -> lis
     return list(given)
 
 
+_Layer = TypeVar("_Layer", bound=nn.Module)
+
+
+def _like(cls: type[_Layer], linear: nn.Linear, group: ProcessGroup | None, options: Any) -> _Layer:
+    """A parallel layer ``cls`` of ``linear``'s sizes, bias, device and dtype (uninitialised
+    shards: ``from_linear`` copies them)."""
+    return cls(
+        linear.in_features,
+        linear.out_features,
+        linear.bias is not None,
+        group,
+        device=linear.weight.device,
+        dtype=linear.weight.dtype,
+        **options,
+    )
+
+
 class ColumnParallelLinear(nn.Module):
     """The output features of a linear layer split over the ranks: :func:`column_parallel_linear`
     with this rank's ``weight`` ``[H_r, in_features]`` and ``bias`` ``[H_r]`` as parameters.
@@ -327,15 +344,7 @@ class ColumnParallelLinear(nn.Module):
         cls, linear: nn.Linear, group: ProcessGroup | None = None, **options: Any
     ) -> ColumnParallelLinear:
         """This rank's rows of ``linear`` (copied), with the same options as the constructor."""
-        layer = cls(
-            linear.in_features,
-            linear.out_features,
-            linear.bias is not None,
-            group,
-            device=linear.weight.device,
-            dtype=linear.weight.dtype,
-            **options,
-        )
+        layer = _like(cls, linear, group, options)
         rows = _own(layer.splits, resolve(group).rank)
         with torch.no_grad():
             layer.weight.copy_(linear.weight[rows])
@@ -392,15 +401,7 @@ class RowParallelLinear(nn.Module):
         cls, linear: nn.Linear, group: ProcessGroup | None = None, **options: Any
     ) -> RowParallelLinear:
         """This rank's columns of ``linear`` (copied; the bias whole)."""
-        layer = cls(
-            linear.in_features,
-            linear.out_features,
-            linear.bias is not None,
-            group,
-            device=linear.weight.device,
-            dtype=linear.weight.dtype,
-            **options,
-        )
+        layer = _like(cls, linear, group, options)
         cols = _own(layer.splits, resolve(group).rank)
         with torch.no_grad():
             layer.weight.copy_(linear.weight[:, cols])

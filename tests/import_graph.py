@@ -1,0 +1,81 @@
+"""The import graph of a package, read from its files with ``ast`` (imports inside functions
+count too), and a circle finder: shared by the layer tests of the whole package
+(tests/unit/test_layers.py) and of ``distgrad.rpc`` (tests/rpc/test_layout.py).
+
+``from p.x import name`` counts as importing submodule ``p.x.name`` when there is one, and
+``p.x`` otherwise; importing a package counts as importing its ``__init__``.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+from pathlib import Path
+
+Graph = dict[str, set[str]]
+
+
+def module_files(package: str) -> dict[str, Path]:
+    """Every module of ``package`` (subpackages included), by dotted name."""
+    root = Path(importlib.import_module(package).__file__ or "").parent
+    names = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = [*package.split("."), *path.relative_to(root).with_suffix("").parts]
+        if parts[-1] == "__init__":
+            parts.pop()
+        names[".".join(parts)] = path
+    return names
+
+
+def _imports(name: str, path: Path, modules: set[str]) -> set[str]:
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*up, base]).rstrip(".")
+            targets = [
+                f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
+                for alias in node.names
+            ]
+        else:
+            continue
+        for target in targets:
+            while target and target not in modules:  # p.x.y.z -> the module it lives in
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found.add(target)
+    return found
+
+
+def import_graph(package: str) -> Graph:
+    """Which modules of ``package`` each of its modules imports."""
+    modules = module_files(package)
+    return {name: _imports(name, path, set(modules)) for name, path in modules.items()}
+
+
+def find_cycle(graph: Graph) -> list[str] | None:
+    """An import circle of ``graph`` (its first module repeated at the end), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt) :], nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (found := visit(start)):
+            return found
+    return None
