@@ -8,6 +8,7 @@ measured inside the workers.
 
 from __future__ import annotations
 
+import random
 import re
 import time
 
@@ -48,19 +49,21 @@ def test_a_worker_killed_mid_backward_fails_the_pass_within_seconds_naming_it(mo
     assert "distributed backward failed on worker1" in found[2], text
 
 
-def _root_dies(rank: int, world_size: int) -> None:
+def _root_dies(
+    rank: int, world_size: int, mode: str = "fast", delay: float = 0.3, work: float = 1.5
+) -> None:
     if rank == 0:
         x = H.leaf(2, 3)
         with dgrpc.context() as cid:
-            y = dgrpc.rpc_sync("worker1", F.slow_in_backward, args=(x, 1.5))
-            F.kill_me_after(0.3)  # while worker1 runs its backward
-            dgrpc.backward(cid, [y.sum()])
+            y = dgrpc.rpc_sync("worker1", F.slow_in_backward, args=(x, work))
+            F.kill_me_after(delay)  # while worker1 runs its backward
+            dgrpc.backward(cid, [y.sum()], mode=mode)  # type: ignore[arg-type]
         return
     deadline = time.monotonic() + 15
     while not F.backward_started:  # the root's backward reached this worker
         assert time.monotonic() < deadline, "the backward never reached worker1"
         time.sleep(0.01)
-    killed = F.backward_started[0] + 0.3
+    killed = F.backward_started[0] + delay
     while dgrpc.debug_state()["contexts"]:
         assert time.monotonic() < deadline, f"context still held: {dgrpc.debug_state()}"
         time.sleep(0.01)
@@ -79,13 +82,18 @@ def _root_dies(rank: int, world_size: int) -> None:
     raise AssertionError("shutdown returned without saying that worker0 is gone")
 
 
-def test_a_dead_root_s_context_is_released_within_seconds_and_shutdown_says_so() -> None:
+def _dead_root_report(mode: str, delay: float, work: float) -> str:
+    with pytest.raises(RankFailedError) as info:
+        run_on_ranks(_root_dies, 2, args=(mode, delay, work), init="rpc", timeout=30)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("mode", H.MODES)
+def test_a_dead_root_s_context_is_released_within_seconds_and_shutdown_says_so(mode: str) -> None:
     """The root is SIGKILLed while worker1 runs its part of the backward; worker1 drops the
     orphaned context within seconds (torch keeps it; measured over 45 s), and its shutdown
     returns at once naming the dead worker (torch's waits for it)."""
-    with pytest.raises(RankFailedError) as info:
-        run_on_ranks(_root_dies, 2, init="rpc", timeout=30)
-    text = str(info.value)
+    text = _dead_root_report(mode, 0.3, 1.5)
     pattern = r"released ([0-9.]+) s after the root died, left (\{.*?\}); shutdown raised after "
     found = re.search(pattern + r"([0-9.]+) s: (.*)", text)
     assert found, text
@@ -93,6 +101,21 @@ def test_a_dead_root_s_context_is_released_within_seconds_and_shutdown_says_so()
     assert found[2] == "{'contexts': 0, 'sends': 0, 'recvs': 0, 'smart_passes': 0}", text
     assert float(found[3]) < 5.0, text
     assert found[4].startswith("shutdown on worker1: could not reach worker0 ("), text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", H.MODES)
+def test_a_dead_root_s_context_is_released_in_every_one_of_20_runs(mode: str) -> None:
+    """Issue 21: the same, 20 times per mode, the root killed at random moments of worker1's
+    backward of random lengths (measured: 28 of 28 released within 0.75 s)."""
+    rng = random.Random(mode)
+    for _ in range(20):
+        work = rng.choice([0.5, 1.5])
+        text = _dead_root_report(mode, rng.uniform(0.05, work - 0.1), work)
+        found = re.search(r"released ([0-9.]+) s after the root died, left (\{.*?\})", text)
+        assert found, text
+        assert float(found[1]) < 1.0, text
+        assert found[2] == "{'contexts': 0, 'sends': 0, 'recvs': 0, 'smart_passes': 0}", text
 
 
 def _raises(rank: int, world_size: int) -> None:
