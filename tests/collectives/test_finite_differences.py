@@ -19,8 +19,7 @@ import torch.distributed as dist
 
 import distgrad as dg
 from distgrad.testing import run_on_ranks
-from tests.collectives.reference import Case, cotangents, inputs, outputs
-from tests.collectives.test_gradients import OPS
+from tests.collectives.reference import OPS, Case, cotangents, inputs, outputs
 
 H = 1e-6
 

@@ -12,136 +12,18 @@ reference); float32 to 1e-5 relative for the same reason.
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 
 import distgrad as dg
 from distgrad.testing import run_on_ranks
 from tests.collectives.reference import (
-    OPS,
-    TOL,
-    Case,
-    call_args,
-    cotangents,
-    inputs,
-    outputs,
-    reference_grads,
+    cases,
+    check_case,
+    edge_cases,
+    replicated_cases,
     warm_up,
 )
-
-
-def cases(n: int) -> list[Case]:
-    """A broad sweep of every op on ``n`` ranks: even and uneven sizes, several dims."""
-    uneven = tuple((2 + r, 4) for r in range(n))
-    out: list[Case] = [
-        Case("all_gather", ((3, 4),) * n),
-        Case("all_gather", uneven),
-        Case("all_gather", tuple((3, 1 + r, 2) for r in range(n)), {"dim": 1}),
-        Case("all_gather", tuple((2, 1 + r) for r in range(n)), {"dim": -1}),
-        Case("broadcast", ((3, 2),) * n, {"src": n - 1}),
-        Case("gather", uneven, {"dst": n - 1}),
-        Case("gather", tuple((2, 1 + r) for r in range(n)), {"dst": 0, "dim": 1}),
-        Case("scatter", ((2 * n, 3),) * n, {"src": n - 1}),
-        Case(
-            "scatter",
-            ((3, n * (n + 1) // 2),) * n,
-            {"src": 0, "dim": 1, "sizes": [r + 1 for r in range(n)]},
-        ),
-        Case("permute", ((3, 2),) * n, {"perm": [(r + 1) % n for r in range(n)]}),
-        Case("permute", tuple((r + 1, 2) for r in range(n)), {"perm": list(reversed(range(n)))}),
-        Case("all_to_all", ((2 * n, 3),) * n),
-        Case(
-            "all_to_all",
-            tuple((3, sum(range(1, n + 1)) + r * n) for r in range(n)),
-            {"dim": 1},
-            tuple({"input_sizes": [s + r for s in range(1, n + 1)]} for r in range(n)),
-        ),
-    ]
-    for op in OPS:
-        out += [
-            Case("all_reduce", ((3, 5),) * n, {"op": op}),
-            Case("all_reduce", ((7,),) * n, {"op": op}),  # 7 entries split unevenly over ranks
-            Case("reduce_scatter", ((2 * n, 3),) * n, {"op": op}),
-            Case(
-                "reduce_scatter",
-                ((2, n * (n + 1) // 2),) * n,
-                {"op": op, "dim": 1, "sizes": [r + 1 for r in range(n)]},
-            ),
-            Case("reduce", ((3, 4),) * n, {"op": op, "dst": n - 1}),
-        ]
-    return out
-
-
-def edge_cases(n: int) -> list[Case]:
-    """prod with zero entries, max and min with ties across ranks."""
-    out = []
-    for op in ("prod",):
-        out += [
-            Case("all_reduce", ((4, 3),) * n, {"op": op}, data="zeros"),
-            Case("reduce_scatter", ((2 * n, 2),) * n, {"op": op}, data="zeros"),
-            Case("reduce", ((4, 3),) * n, {"op": op, "dst": 0}, data="zeros"),
-        ]
-    for op in ("max", "min"):
-        out += [
-            Case("all_reduce", ((4, 3),) * n, {"op": op}, data="ties"),
-            Case("reduce_scatter", ((2 * n, 2),) * n, {"op": op}, data="ties"),
-            Case("reduce", ((4, 3),) * n, {"op": op, "dst": n - 1}, data="ties"),
-        ]
-    return out
-
-
-def replicated_cases(n: int) -> list[Case]:
-    out = [
-        Case("all_gather", tuple((2 + r, 3) for r in range(n)), {"objective": "replicated"}),
-        Case("broadcast", ((3, 2),) * n, {"src": n - 1, "objective": "replicated"}),
-    ]
-    out += [Case("all_reduce", ((3, 4),) * n, {"op": op, "objective": "replicated"}) for op in OPS]
-    return out
-
-
-def check_case(
-    rank: int,
-    n: int,
-    case: Case,
-    dtype: torch.dtype,
-    device: str = "cpu",
-    group: Any = None,
-    in_place: bool = False,
-    known: bool = False,
-) -> None:
-    """Run ``case`` as group rank ``rank`` of ``n`` and compare with the reference.
-
-    ``known``: pass every size the op could otherwise learn from its peers (no exchange).
-
-    ``in_place``: double the output in place before the loss (an output is a tensor of its
-    own, which autograd lets the caller modify), so the gradient doubles too.
-    """
-    xs = inputs(case, dtype)
-    expected = outputs(case, xs)
-    if case.kwargs.get("objective") == "replicated":
-        shared = cotangents(expected)[0]
-        vs = [shared] * n
-        grads = reference_grads(case, xs, [shared] + [torch.zeros_like(shared)] * (n - 1))
-    else:
-        vs = cotangents(expected)
-        grads = reference_grads(case, xs, vs)
-    x = xs[rank].to(device).requires_grad_()
-    passes_none = case.op == "scatter" and rank != case.kwargs["src"]
-    local = [x if r == rank else t.to(device) for r, t in enumerate(xs)]
-    arg, kwargs = call_args(case, rank, local, known)
-    out = getattr(dg, case.op)(arg, group=group, **kwargs)
-    torch.testing.assert_close(
-        out.cpu(), expected[rank], **TOL[dtype], msg=lambda m: f"forward: {m}"
-    )
-    if in_place:
-        out.mul_(2.0)
-    (out * vs[rank].to(device)).sum().backward()
-    if not passes_none:
-        got = (x.grad if x.grad is not None else torch.zeros_like(x)).cpu()
-        want = grads[rank] * (2.0 if in_place else 1.0)
-        torch.testing.assert_close(got, want, **TOL[dtype], msg=lambda m: f"gradient: {m}")
 
 
 def check_all(

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 import distgrad as dg
 from distgrad.testing import run_on_ranks
-from tests.collectives.test_gradients import cases, check_case, edge_cases, replicated_cases
+from tests.collectives.reference import cases, check_case, edge_cases, replicated_cases
 
 
 def _on_sub_group(rank: int, world_size: int) -> list[str]:

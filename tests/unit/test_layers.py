@@ -21,3 +21,14 @@ def test_the_layer_test_sees_every_module() -> None:
 def test_the_circle_finder_finds_one() -> None:
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_test_module_imports_another_test_module() -> None:
+    """Shared test code lives in helper modules (tests/collectives/reference.py, ...), so that
+    running one test file never runs or depends on another's."""
+    graph = import_graph("tests")
+    offenders = {
+        name: sorted(dep for dep in deps if dep.rpartition(".")[2].startswith("test_"))
+        for name, deps in graph.items()
+    }
+    assert not {k: v for k, v in offenders.items() if v}, offenders
