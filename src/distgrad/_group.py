@@ -149,15 +149,10 @@ def forget_destroyed() -> None:
     live = _live_groups() if dist.is_available() else {}
     gone = [key for key, group in _resolved.items() if group.pg not in live]
     if gone:
+        # The default group went if there is none, or if a forgotten group bore the name of
+        # the one there is now (a re-initialised world: torch names groups from "0" again).
         world = dist.group.WORLD if dist.is_initialized() else None
-        world_gone = (
-            world is None
-            or world not in live
-            or any(
-                _resolved[key].pg is not world and _resolved[key].name == world.group_name
-                for key in gone
-            )
-        )
+        world_gone = world is None or any(_resolved[k].name == world.group_name for k in gone)
         _forget([_resolved.pop(key) for key in gone], world_gone)
 
 

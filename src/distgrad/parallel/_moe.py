@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from distgrad._group import Group, ProcessGroup, resolve
+from distgrad.collectives._common import near_even
 from distgrad.collectives.all_gather import all_gather
 from distgrad.collectives.all_to_all import all_to_all
 
@@ -67,8 +68,7 @@ class Routing:
 
 def _split_experts(num_experts: int, size: int, given: Sequence[int] | None) -> list[int]:
     if given is None:
-        base, extra = divmod(num_experts, size)
-        return [base + (1 if r < extra else 0) for r in range(size)]
+        return near_even(num_experts, size)
     given = list(given)
     if len(given) != size or sum(given) != num_experts or min(given) < 0:
         raise ValueError(

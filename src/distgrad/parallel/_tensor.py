@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from torch.autograd.function import FunctionCtx
 
 from distgrad._group import ProcessGroup, resolve
+from distgrad.collectives._common import near_even
 from distgrad.collectives.all_gather import all_gather, reduce_scatter
 from distgrad.collectives.all_reduce import all_reduce
 
@@ -281,8 +282,7 @@ def row_parallel_linear(
 
 def _split(total: int, size: int, given: Sequence[int] | None, what: str) -> list[int]:
     if given is None:
-        base, extra = divmod(total, size)
-        return [base + (1 if r < extra else 0) for r in range(size)]
+        return near_even(total, size)
     if len(given) != size or sum(given) != total or min(given) < 0:
         raise ValueError(
             f"{what} must give each of the {size} ranks its number of features (non-negative, "

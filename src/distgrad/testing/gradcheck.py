@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from distgrad._meta import set_debug
+from distgrad.collectives._common import near_even
 from distgrad.errors import CheckArgumentError, NotALossError
 from distgrad.testing._report import Combine, GradReport, RunResult, build_report
 from distgrad.testing.launch import run_on_ranks
@@ -233,8 +234,7 @@ def _shard_sizes(
         )
     total = lengths.pop()
     if sizes is None:
-        base, extra = divmod(total, world_size)
-        return [base + (1 if r < extra else 0) for r in range(world_size)]
+        return near_even(total, world_size)
     if len(sizes) != world_size or sum(sizes) != total or min(sizes) < 0:
         raise CheckArgumentError(
             f"shard_sizes must be {world_size} non-negative ints adding up to {total}, "
