@@ -28,6 +28,9 @@ from tests.torchrun import train
 SCRIPT = Path(train.__file__)
 ROOT = SCRIPT.parents[2]
 DEADLINE_S = 120.0
+# pytest's own timeout must leave room after the deadline for stopping the agents and printing
+# their logs: a pytest timeout that fires first hides why the job did not finish.
+TEST_TIMEOUT_S = DEADLINE_S + 60
 
 
 def _free_port() -> int:
@@ -91,12 +94,13 @@ def _launch(per_node: int, out: Path) -> None:
     codes = [agent.returncode for agent in agents]
     if codes != [0, 0]:
         logs = "\n".join(
-            f"--- agent {node} (exit {code}):\n{(out / f'agent{node}.log').read_text()[-4000:]}"
+            f"--- agent {node} (exit {code}):\n{(out / f'agent{node}.log').read_text()[-20000:]}"
             for node, code in enumerate(codes)
         )
         pytest.fail(f"torchrun agents exited with {codes} (deadline {DEADLINE_S:.0f} s)\n{logs}")
 
 
+@pytest.mark.timeout(TEST_TIMEOUT_S)
 @pytest.mark.parametrize("per_node", [1, 2], ids=["2x1", "2x2"])
 def test_ddp_training_launched_by_torchrun_on_two_nodes_equals_one_process(
     per_node: int, tmp_path: Path

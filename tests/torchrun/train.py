@@ -64,7 +64,8 @@ def main(out: Path) -> None:
     train(ddp, criterion, images[rows], texts[rows])
     torch.save(parameters(encoder, criterion), out / f"rank{rank}.pt")
     dist.destroy_process_group()
-    faulthandler.cancel_dump_traceback_later()
+    # Kept armed through the interpreter's exit: a worker that hangs there prints its stacks.
+    faulthandler.dump_traceback_later(30, exit=True)
 
 
 if __name__ == "__main__":

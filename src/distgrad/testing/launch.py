@@ -359,6 +359,7 @@ def _join(spec: _RankSpec) -> Any:
         dist.init_process_group(
             spec.backend, store=store, rank=spec.rank, world_size=spec.world_size, timeout=timeout
         )
+        _wait_for_peers_to_join(spec, store, timeout)
     elif spec.init == "rpc":
         from distgrad import rpc
 
@@ -370,6 +371,20 @@ def _join(spec: _RankSpec) -> Any:
             timeout=spec.collective_timeout,
         )
     return store
+
+
+def _wait_for_peers_to_join(spec: _RankSpec, store: Any, timeout: timedelta) -> None:
+    """Return once every rank's ``init_process_group`` has returned.
+
+    gloo connects a group asymmetrically: one rank's init may return while a peer is still
+    finishing its side of the handshake. A function that then failed at once on the first rank
+    would end that process and break the peer's init with "Connection closed by peer", an error
+    that hides the real one (and whose C++ log line lands first on stderr). No rank runs the
+    function before all have joined; the wait goes through the store, not a collective.
+    """
+    keys = [f"distgrad/joined/{rank}" for rank in range(spec.world_size)]
+    store.set(keys[spec.rank], "1")
+    store.wait(keys, timeout)
 
 
 def _wait_for_peers_to_finish(spec: _RankSpec, store: Any) -> None:
