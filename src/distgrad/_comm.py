@@ -50,7 +50,7 @@ from torch._C._distributed_c10d import (
 )
 
 from distgrad import _wait
-from distgrad._group import Group
+from distgrad._group import Group, settle_backend_threads
 
 __all__ = [
     "Exchange",
@@ -189,15 +189,14 @@ _ran_any = False
 
 def _settle_at_exit() -> None:
     """Let the backend's threads finish releasing the last works while the interpreter can
-    still give them the GIL (see :func:`_run`): a thread that asks for it once finalising has
-    begun is made to exit inside a C++ destructor ("terminate called without an active
-    exception"), and the process aborts. Sleeping hands them the GIL; only a process that ran
-    a collective pays, once."""
-    if _ran_any:
-        time.sleep(_SETTLE_AT_EXIT_S)
+    still give them the GIL (``_group.settle_backend_threads``): a thread that asks for it once
+    finalising has begun is made to exit inside a C++ destructor ("terminate called without an
+    active exception"), and the process aborts. Only a process that ran a collective, or still
+    has a process group (DDP's works capture the same state), pays, once."""
+    if _ran_any or (dist.is_available() and dist.is_initialized()):
+        settle_backend_threads()
 
 
-_SETTLE_AT_EXIT_S = 0.05
 atexit.register(_settle_at_exit)
 
 

@@ -12,6 +12,7 @@ group, never global ranks; ``global_rank`` translates them for the raw torch cal
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -163,6 +164,30 @@ def _forget(groups: list[Group], world_gone: bool) -> None:
         hook(groups, world_gone)
 
 
+def settle_backend_threads() -> None:
+    """Give the backend's worker threads the GIL for a moment, so that they finish releasing
+    the works they hold before the last reference to their group goes.
+
+    While a backward runs, torch's autograd engine keeps a Python object (the caller's
+    contextvars) in the thread-local state, and every collective started then captures it in
+    its work: distgrad's own (which it starts without it, ``_comm._start``) and DDP's bucket
+    all-reduces, started from its gradient hooks. gloo's worker thread drops the last reference
+    to a finished work, and releasing that object takes the GIL. If the thread holding the GIL
+    drops the group's last reference meanwhile (``destroy_process_group``, or a DDP module
+    freed after it, whose reducer holds the group), the group's destructor joins the worker
+    while the worker waits for the GIL: the process hangs at exit (seen in gdb on a hung
+    torchrun worker: ``~ProcessGroupGloo`` in ``thread::join``, the worker in
+    ``~AsyncAllreduceWork`` taking the GIL), or aborts if the interpreter is finalising. A
+    worker asks for the GIL within microseconds of the work's end unless the machine is
+    overloaded; 50 ms covers that, once per job (at the default group's destruction and at
+    exit), not per call. A race this narrows but cannot close: the fix belongs in torch.
+    """
+    time.sleep(_SETTLE_S)
+
+
+_SETTLE_S = 0.05
+
+
 def _wrap_destroy() -> None:
     """Make ``torch.distributed.destroy_process_group`` forget what distgrad kept of the group,
     so that once it returns nothing of distgrad's refers to that group. (A caller holding
@@ -175,6 +200,8 @@ def _wrap_destroy() -> None:
 
     @functools.wraps(original)
     def destroy_process_group(group: ProcessGroup | None = None) -> None:
+        if dist.is_initialized() and (group is None or group is dist.group.WORLD):
+            settle_backend_threads()
         try:
             original(group)
         finally:
