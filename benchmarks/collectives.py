@@ -1,28 +1,30 @@
-"""Forward+backward time of differentiable all_gather, all_reduce and reduce_scatter.
+"""Forward+backward time of every differentiable collective, at three sizes and several world
+sizes, against torch's own collectives and the raw-communication floor.
 
-Every variant runs in the same two gloo processes, interleaved round-robin, so that they share
-the machine's noise; each timing is the slower rank's, between two barriers. Variants:
+For each world size, the ranks are started once (``distgrad.testing.run_on_ranks``, gloo, CPU,
+float32) and every variant of an op runs interleaved with the others in the same processes, in
+a shuffled order each round, so that they share the machine's noise; each timing is the slower
+rank's, from a barrier until its outputs are readable. Variants:
 
+* torch: torch's own raw collectives wrapped in an autograd Function, forward the op and
+  backward its adjoint (all_gather / reduce_scatter, broadcast / reduce, gather / scatter,
+  all_to_all / all_to_all, and a send/recv pair for permute): what a user writes by hand.
 * floor: the raw, non-differentiable communication that forward+backward needs, done the
   cheapest way we know: distgrad's own raw functions (``distgrad._comm``), which on gloo run
-  all_gather and reduce-scatter as concurrent point-to-point pairs (the reduce-scatter summing
-  locally), or below 256 KB per rank as gloo's all_gather and an all_reduce and a slice;
-  all_reduce as torch's. Ratios are against this.
-* floor (torch ops): the same communication with torch's raw collectives only
-  (``all_gather_single``, ``reduce_scatter_single``).
-* torch.distributed.nn: the deprecated differentiable collectives.
-* funcol: ``torch.distributed._functional_collectives`` autograd variants.
-* all_reduce+slice: a hand-written all_gather whose backward all_reduces the whole gradient and
-  keeps its slice (a common hand-written fix).
+  all_gather, reduce-scatter and all_to_all as concurrent point-to-point pairs above 256 KB
+  per rank, and gloo's collectives below.
 * distgrad: this library past the calls it checks across ranks (the first 8 on a group), with
-  the sizes given where an op takes them (``sizes=[n] * W``): its training-loop path, which
-  sends nothing but the data.
-* distgrad, sizes learned: all_gather without ``sizes=``, which exchanges them every call.
-* distgrad, debug mode: every call checked across ranks (``dg.set_debug(True)``), backward too.
+  its sizes given where an op takes them: its training-loop path, which sends nothing but data.
+* torch.distributed.nn: the deprecated differentiable collectives, where one exists.
+* funcol: ``torch.distributed._functional_collectives``'s autograd variants, where one exists.
 * distgrad compiled, funcol compiled: the op (forward and its backward) under
-  ``torch.compile(fullgraph=True)``, inductor backend.
+  ``torch.compile(fullgraph=True)``, inductor backend, compiled before the rounds.
 
-Shapes are each rank's input. Run: ``python benchmarks/collectives.py [--quick]``; writes
+Every cell is a paired ratio: the median over rounds of the variant's time over the time of the
+faster of torch and the floor in the same round. The calling thread's CPU time per
+forward+backward (the slower rank's) is kept for distgrad and torch.
+
+Run: ``python benchmarks/collectives.py [--world-sizes 2,4,8] [--runs 3] [--quick]``; writes
 ``benchmarks/results/collectives.md``.
 """
 
@@ -48,342 +50,488 @@ import torch.distributed.nn.functional as dist_nn
 import distgrad as dg
 from distgrad import _comm
 from distgrad._group import resolve
-from distgrad._meta import exchange
 from distgrad.collectives._signature import CHECKED_CALLS
 from distgrad.testing import run_on_ranks
 
-SHAPES = [(256, 128), (4096, 512), (16384, 1024)]
-ITERATIONS = {256: 200, 4096: 100, 16384: 30}  # rounds per shape (every variant once a round)
-OPS = ["all_gather", "all_reduce", "reduce_scatter"]
+# Each rank's input, float32, 128 columns: 32 KB, 256 KB and 4 MB.
+SIZES = {"32 KB": 64, "256 KB": 512, "4 MB": 8192}
+COLUMNS = 128
+ROUNDS = {"32 KB": 60, "256 KB": 30, "4 MB": 8}  # rounds per run (every variant once a round)
+OPS = [
+    "all_gather",
+    "reduce_scatter",
+    "all_reduce",
+    "all_to_all",
+    "broadcast",
+    "reduce",
+    "gather",
+    "scatter",
+    "permute",
+]
+VARIANTS = [
+    "torch",
+    "floor",
+    "distgrad",
+    "torch.distributed.nn",
+    "funcol",
+    "distgrad compiled",
+    "funcol compiled",
+]
 RESULTS = Path(__file__).parent / "results" / "collectives.md"
+ROOT = 0  # src / dst of the rooted ops
 
 Step = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...]]
+Raw = Callable[[torch.Tensor], torch.Tensor]
 
 
-class _AllReduceThenSlice(torch.autograd.Function):
-    """all_gather whose backward all_reduces the whole gradient and keeps this rank's rows."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        n = dist.get_world_size()
-        out = x.new_empty((n * x.shape[0], *x.shape[1:]))
-        dist.all_gather_into_tensor(out, x.contiguous())
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad)
-        rows = grad.shape[0] // dist.get_world_size()
-        return grad[dist.get_rank() * rows : (dist.get_rank() + 1) * rows]
+# ---------------------------------------------------------------------------------------------
+# torch's raw collectives, one direction each (non-root ranks return an empty placeholder)
 
 
-def _ideal_reduce_scatter(x: torch.Tensor) -> torch.Tensor:
-    group = resolve(None)
-    rows = x.shape[0] // group.size
-    return _comm.reduce_scatter(x, [rows] * group.size, group)
+def _world() -> tuple[int, int]:
+    return dist.get_rank(), dist.get_world_size()
 
 
-def _ideal_all_gather(x: torch.Tensor) -> torch.Tensor:
-    group = resolve(None)
-    return _comm.all_gather(x, [x.shape[0]] * group.size, group)
+def _t_all_gather(x: torch.Tensor) -> torch.Tensor:
+    out = x.new_empty((dist.get_world_size() * x.shape[0], *x.shape[1:]))
+    dist.all_gather_into_tensor(out, x.contiguous())
+    return out
 
 
-def _torch_reduce_scatter(x: torch.Tensor) -> torch.Tensor:
+def _t_reduce_scatter(x: torch.Tensor) -> torch.Tensor:
     out = x.new_empty((x.shape[0] // dist.get_world_size(), *x.shape[1:]))
     dist.reduce_scatter_tensor(out, x.contiguous())
     return out
 
 
-def _raw_all_gather(x: torch.Tensor) -> torch.Tensor:
-    out = x.new_empty((dist.get_world_size() * x.shape[0], *x.shape[1:]))
-    dist.all_gather_into_tensor(out, x)
-    return out
-
-
-def _raw_all_reduce(x: torch.Tensor) -> torch.Tensor:
+def _t_all_reduce(x: torch.Tensor) -> torch.Tensor:
     out = x.clone()
     dist.all_reduce(out)
     return out
 
 
-def _variants(op: str) -> dict[str, Step]:
-    """name -> step(x, cotangent): one forward and its backward."""
-    world = dist.group.WORLD
-    assert world is not None
+def _t_all_to_all(x: torch.Tensor) -> torch.Tensor:
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x.contiguous())
+    return out
+
+
+def _t_broadcast(x: torch.Tensor) -> torch.Tensor:
+    out = x.clone() if dist.get_rank() == ROOT else torch.empty_like(x)
+    dist.broadcast(out, ROOT)
+    return out
+
+
+def _t_reduce(x: torch.Tensor) -> torch.Tensor:
+    out = x.clone()
+    dist.reduce(out, ROOT)
+    return out if dist.get_rank() == ROOT else torch.zeros_like(x)
+
+
+def _t_gather(x: torch.Tensor) -> torch.Tensor:
+    rank, world = _world()
+    parts = [torch.empty_like(x) for _ in range(world)] if rank == ROOT else None
+    dist.gather(x.contiguous(), parts, dst=ROOT)
+    return torch.cat(parts) if parts is not None else x.new_zeros((world * x.shape[0], x.shape[1]))
+
+
+def _t_scatter(x: torch.Tensor) -> torch.Tensor:
+    rank, world = _world()
+    out = x.new_empty((x.shape[0] // world, *x.shape[1:]))
+    dist.scatter(out, list(x.contiguous().chunk(world)) if rank == ROOT else None, src=ROOT)
+    return out
+
+
+def _t_shift(x: torch.Tensor, by: int) -> torch.Tensor:
+    rank, world = _world()
+    out = torch.empty_like(x)
+    ops = [
+        dist.P2POp(dist.isend, x.contiguous(), (rank + by) % world),
+        dist.P2POp(dist.irecv, out, (rank - by) % world),
+    ]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return out
+
+
+# The adjoint pairs: (forward, backward) with torch's raw collectives.
+_TORCH_PAIRS: dict[str, tuple[Raw, Raw]] = {
+    "all_gather": (_t_all_gather, _t_reduce_scatter),
+    "reduce_scatter": (_t_reduce_scatter, _t_all_gather),
+    "all_reduce": (_t_all_reduce, _t_all_reduce),
+    "all_to_all": (_t_all_to_all, _t_all_to_all),
+    "broadcast": (_t_broadcast, _t_reduce),
+    "reduce": (_t_reduce, _t_broadcast),
+    "gather": (_t_gather, _t_scatter),
+    "scatter": (_t_scatter, _t_gather),
+    "permute": (lambda x: _t_shift(x, 1), lambda x: _t_shift(x, -1)),
+}
+
+
+class _TorchCollective(torch.autograd.Function):
+    """A hand-written differentiable collective on torch's raw collectives."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, op: str) -> torch.Tensor:
+        ctx.op = op
+        return _TORCH_PAIRS[op][0](x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _TORCH_PAIRS[ctx.op][1](grad), None
+
+
+# ---------------------------------------------------------------------------------------------
+# The floor: distgrad's raw functions where they beat torch's, torch's raw collectives elsewhere
+
+
+def _floor_pair(op: str) -> tuple[Raw, Raw]:
     group = resolve(None)
     n = group.size
+
+    def gather_all(x: torch.Tensor) -> torch.Tensor:
+        return _comm.all_gather(x, [x.shape[0]] * n, group)
+
+    def scatter_sum(x: torch.Tensor) -> torch.Tensor:
+        return _comm.reduce_scatter(x, [x.shape[0] // n] * n, group)
+
+    def exchange(x: torch.Tensor) -> torch.Tensor:
+        rows = [x.shape[0] // n] * n
+        return _comm.all_to_all(x, rows, rows, group)
+
+    ours = {
+        "all_gather": (gather_all, scatter_sum),
+        "reduce_scatter": (scatter_sum, gather_all),
+        "all_to_all": (exchange, exchange),
+    }
+    return ours.get(op, _TORCH_PAIRS[op])
+
+
+# ---------------------------------------------------------------------------------------------
+# Variants
+
+
+def _distgrad(op: str, n: int) -> Raw | None:
+    perm = [(r + 1) % n for r in range(n)]
+    ops: dict[str, Raw] = {
+        "all_gather": lambda x: dg.all_gather(x, sizes=[x.shape[0]] * n),
+        "reduce_scatter": lambda x: dg.reduce_scatter(x, sizes=[x.shape[0] // n] * n),
+        "all_reduce": lambda x: dg.all_reduce(x),
+        "all_to_all": lambda x: dg.all_to_all(
+            x, input_sizes=[x.shape[0] // n] * n, output_sizes=[x.shape[0] // n] * n
+        ),
+        "broadcast": lambda x: dg.broadcast(x, ROOT),
+        "reduce": lambda x: dg.reduce(x, ROOT),
+        "gather": lambda x: dg.gather(x, ROOT, sizes=[x.shape[0]] * n),
+        # Other ranks pass a tensor shaped like the part they receive (docs of dg.scatter).
+        "scatter": lambda x: dg.scatter(
+            x if dist.get_rank() == ROOT else x[: x.shape[0] // n],
+            ROOT,
+            sizes=[x.shape[0] // n] * n,
+        ),
+        "permute": lambda x: dg.permute(x, perm, recv_shape=x.shape),
+    }
+    return ops.get(op)
+
+
+def _dist_nn(op: str, n: int) -> Raw | None:
+    def reduce_scatter(x: torch.Tensor) -> torch.Tensor:
+        out = x.new_empty((x.shape[0] // n, *x.shape[1:]))
+        result: torch.Tensor = dist_nn.reduce_scatter(out, list(x.chunk(n)))  # type: ignore[no-untyped-call]
+        return result
+
+    def scatter(x: torch.Tensor) -> torch.Tensor:
+        result: torch.Tensor = dist_nn.scatter(list(x.chunk(n)), src=ROOT)  # type: ignore[no-untyped-call]
+        return result
+
+    ops: dict[str, Raw] = {
+        "all_gather": lambda x: torch.cat(dist_nn.all_gather(x)),  # type: ignore[no-untyped-call]
+        "reduce_scatter": reduce_scatter,
+        "all_reduce": dist_nn.all_reduce,
+        "all_to_all": lambda x: dist_nn.all_to_all_single(torch.empty_like(x), x),  # type: ignore[no-untyped-call]
+        "broadcast": lambda x: dist_nn.broadcast(x, ROOT),  # type: ignore[no-untyped-call]
+        "reduce": lambda x: dist_nn.reduce(x, ROOT),  # type: ignore[no-untyped-call]
+        "gather": lambda x: torch.cat(dist_nn.gather(x, dst=ROOT)),  # type: ignore[no-untyped-call]
+        "scatter": scatter,
+    }
+    return ops.get(op)
+
+
+def _funcol(op: str, n: int) -> Raw | None:
+    world = dist.group.WORLD
+    assert world is not None
+    ops: dict[str, Raw] = {
+        "all_gather": lambda x: funcol.all_gather_tensor_autograd(x, 0, world),
+        "reduce_scatter": lambda x: funcol.reduce_scatter_tensor_autograd(x, "sum", 0, world),
+        "all_reduce": lambda x: funcol.all_reduce(x, "sum", world),
+        "all_to_all": lambda x: funcol.all_to_all_single_autograd(x, None, None, world),
+    }
+    return ops.get(op)
+
+
+def _variants(op: str, n: int, compiled: bool) -> dict[str, Step]:
+    """name -> step(x, cotangent): one forward and its backward."""
 
     # Each step reads the forward's output before the backward starts, as a loss would, so an
     # asynchronous forward (funcol's) cannot overlap its own backward, which no training step
     # allows; the cotangent v is then passed straight in, with no loss arithmetic to time.
-    def autograd(fn: Callable[[torch.Tensor], torch.Tensor]) -> Step:
+    def autograd(fn: Raw) -> Step:
         def step(x: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
             out = fn(x)
-            float(out.reshape(-1)[0])
-            out.backward(v)  # type: ignore[no-untyped-call]
-            assert x.grad is not None
-            return out, x.grad
+            _read(out)
+            # A rooted op's result off the root may be empty (distgrad's gather): its
+            # cotangent is then empty too.
+            out.backward(v if out.shape == v.shape else torch.zeros_like(out))  # type: ignore[no-untyped-call]
+            return out, x.grad if x.grad is not None else x
 
         return step
 
-    def raw(forward: Callable[[torch.Tensor], torch.Tensor], back: Callable[..., Any]) -> Step:
+    def raw(forward: Raw, back: Raw) -> Step:
         def step(x: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
             out = forward(x.detach())
-            float(out.reshape(-1)[0])
+            _read(out)
             return out, back(v)
 
         return step
 
-    def debug(fn: Callable[[torch.Tensor], torch.Tensor]) -> Step:
-        def step(x: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            dg.set_debug(True)
-            try:
-                return autograd(fn)(x, v)
-            finally:
-                dg.set_debug(False)
-
-        return step
-
-    def compiled(fn: Callable[[torch.Tensor], torch.Tensor]) -> Step:
-        return autograd(torch.compile(fn, fullgraph=True, dynamic=False))
-
-    def even(x: torch.Tensor) -> list[int]:
-        return [x.shape[0]] * n
-
-    if op == "all_gather":
-        return {
-            "floor": raw(_ideal_all_gather, _ideal_reduce_scatter),
-            "floor (torch ops)": raw(_raw_all_gather, _torch_reduce_scatter),
-            "torch.distributed.nn": autograd(lambda x: torch.cat(dist_nn.all_gather(x))),  # type: ignore[no-untyped-call]
-            "funcol": autograd(lambda x: funcol.all_gather_tensor_autograd(x, 0, world)),
-            "all_reduce+slice": autograd(_AllReduceThenSlice.apply),
-            "distgrad": autograd(lambda x: dg.all_gather(x, sizes=even(x))),
-            "distgrad, sizes learned": autograd(dg.all_gather),
-            "distgrad, debug mode": debug(lambda x: dg.all_gather(x, sizes=even(x))),
-            "distgrad compiled": compiled(lambda x: dg.all_gather(x, sizes=even(x))),
-            "funcol compiled": compiled(lambda x: funcol.all_gather_tensor_autograd(x, 0, world)),
-        }
-    if op == "all_reduce":
-        return {
-            "floor": raw(_raw_all_reduce, _raw_all_reduce),
-            "torch.distributed.nn": autograd(dist_nn.all_reduce),
-            "funcol": autograd(lambda x: funcol.all_reduce(x, "sum", world)),
-            "distgrad": autograd(dg.all_reduce),
-            "distgrad, debug mode": debug(dg.all_reduce),
-            "distgrad compiled": compiled(dg.all_reduce),
-            "funcol compiled": compiled(lambda x: funcol.all_reduce(x, "sum", world)),
-        }
-    return {
-        "floor": raw(_ideal_reduce_scatter, _ideal_all_gather),
-        "floor (torch ops)": raw(_torch_reduce_scatter, _raw_all_gather),
-        "torch.distributed.nn": autograd(_nn_reduce_scatter),
-        "funcol": autograd(lambda x: funcol.reduce_scatter_tensor_autograd(x, "sum", 0, world)),
-        "distgrad": autograd(dg.reduce_scatter),
-        "distgrad, debug mode": debug(dg.reduce_scatter),
-        "distgrad compiled": compiled(dg.reduce_scatter),
-        "funcol compiled": compiled(
-            lambda x: funcol.reduce_scatter_tensor_autograd(x, "sum", 0, world)
-        ),
+    steps: dict[str, Step] = {
+        "torch": autograd(lambda x: _TorchCollective.apply(x, op)),
+        "floor": raw(*_floor_pair(op)),
     }
+    found = {
+        "distgrad": _distgrad(op, n),
+        "torch.distributed.nn": _dist_nn(op, n),
+        "funcol": _funcol(op, n),
+    }
+    for name, fn in found.items():
+        if fn is not None:
+            steps[name] = autograd(fn)
+    if compiled:
+        for name in ("distgrad", "funcol"):
+            fn = found[name]
+            if fn is not None:
+                steps[f"{name} compiled"] = autograd(torch.compile(fn, fullgraph=True))
+    return steps
 
 
-def _nn_reduce_scatter(x: torch.Tensor) -> torch.Tensor:
-    n = dist.get_world_size()
-    out = x.new_empty((x.shape[0] // n, *x.shape[1:]))
-    result: torch.Tensor = dist_nn.reduce_scatter(out, list(x.chunk(n)))  # type: ignore[no-untyped-call]
-    return result
-
-
-def _cotangent(op: str, shape: tuple[int, int], n: int) -> torch.Tensor:
-    rows = {"all_gather": shape[0] * n, "all_reduce": shape[0], "reduce_scatter": shape[0] // n}
-    return torch.randn(rows[op], shape[1], generator=torch.Generator().manual_seed(1))
-
-
-def _timed(step: Step, x: torch.Tensor, v: torch.Tensor) -> float:
-    dist.barrier()
-    start = time.perf_counter()
-    for t in step(x, v):
-        # Reading a value waits for an asynchronous collective (funcol returns before its
-        # communication finishes), so every variant is timed to completion.
+def _read(t: torch.Tensor) -> None:
+    """Read a value: this waits for an asynchronous collective (funcol returns before its
+    communication finishes), so that every variant is timed to completion."""
+    if t.numel():
         float(t.reshape(-1)[0])
-    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slower rank's time
-    return float(elapsed.item())
 
 
-def _handshake_time(x: torch.Tensor, iters: int) -> float:
-    """The metadata exchange alone: what a checked call, or one that learns sizes, adds."""
-    group = resolve(None)
-    times = []
-    for _ in range(iters):
-        dist.barrier()
-        start = time.perf_counter()
-        exchange("all_reduce", "all_reduce", group, x, [0, 0, 1])
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def _input(op: str, rows: int, rank: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(rank)
+    return torch.randn(rows, COLUMNS, generator=gen).requires_grad_()
 
 
-def _bench(rank: int, world_size: int, quick: bool) -> dict[str, Any]:
+def _cotangent(op: str, rows: int, n: int) -> torch.Tensor:
+    out_rows = {"all_gather": rows * n, "gather": rows * n, "reduce_scatter": rows // n}
+    out_rows["scatter"] = rows // n
+    gen = torch.Generator().manual_seed(1)
+    return torch.randn(out_rows.get(op, rows), COLUMNS, generator=gen)
+
+
+def _timed(step: Step, x: torch.Tensor, v: torch.Tensor) -> tuple[float, float]:
+    """(wall, calling thread's CPU) seconds of one step, the slower rank's each."""
+    dist.barrier()
+    start, cpu = time.perf_counter(), time.thread_time()
+    for t in step(x, v):
+        _read(t)
+    taken = torch.tensor([time.perf_counter() - start, time.thread_time() - cpu])
+    dist.all_reduce(taken, op=dist.ReduceOp.MAX)
+    return float(taken[0]), float(taken[1])
+
+
+def _bench(rank: int, world_size: int, quick: bool, compiled: bool) -> dict[str, Any]:
     warnings.filterwarnings("ignore")  # torch.distributed.nn and old names warn on every call
-    torch._inductor.config.compile_threads = 1  # two ranks on two cores
+    torch._inductor.config.compile_threads = 1  # many ranks on few cores
     for _ in range(CHECKED_CALLS):  # past the calls distgrad checks across ranks
         dg.all_reduce(torch.zeros(1))
     results: dict[str, Any] = {}
-    for shape in SHAPES:
-        iters = 3 if quick else ITERATIONS[shape[0]]
-        x = torch.randn(shape, generator=torch.Generator().manual_seed(rank)).requires_grad_()
+    for size, rows in SIZES.items():
+        rounds = 3 if quick else ROUNDS[size]
         for op in OPS:
-            variants = _variants(op)
-            v = _cotangent(op, shape, world_size)
-            times: dict[str, list[float]] = {name: [] for name in variants}
-            for step in variants.values():  # warm-up
+            x = _input(op, rows, rank)
+            v = _cotangent(op, rows, world_size)
+            variants = _variants(op, world_size, compiled)
+            for step in variants.values():  # warm-up (and compilation)
+                x.grad = None
                 step(x, v)
+            wall: dict[str, list[float]] = {name: [] for name in variants}
+            cpu: dict[str, list[float]] = {name: [] for name in variants}
             order = list(variants)
             shuffle = random.Random(len(order))  # the same order on every rank
-            for _ in range(iters):
+            for _ in range(rounds):
                 shuffle.shuffle(order)  # no variant always runs right after the same one
                 for name in order:
                     x.grad = None
-                    times[name].append(_timed(variants[name], x, v))
-            # Paired: each variant against the floor of the same round, so that a slow stretch
-            # of the machine slows both sides of the ratio.
-            results[f"{op} {shape}"] = {
-                k: (
-                    statistics.median(t),
-                    statistics.median(a / b for a, b in zip(t, times["floor"], strict=True)),
-                )
-                for k, t in times.items()
+                    w, c = _timed(variants[name], x, v)
+                    wall[name].append(w)
+                    cpu[name].append(c)
+            # Paired: each variant against the faster of torch and the floor in the same round,
+            # so that a slow stretch of the machine slows both sides of the ratio.
+            best = [min(a, b) for a, b in zip(wall["torch"], wall["floor"], strict=True)]
+            results[f"{op} {size}"] = {
+                name: {
+                    "median": statistics.median(times),
+                    "ratio": statistics.median(t / b for t, b in zip(times, best, strict=True)),
+                    "cpu": statistics.median(cpu[name]),
+                }
+                for name, times in wall.items()
             }
-        results[f"handshake {shape}"] = _handshake_time(x, iters)
     return results
 
 
-def _table_names() -> list[str]:
-    return [
-        "floor",
-        "floor (torch ops)",
-        "distgrad",
-        "torch.distributed.nn",
-        "funcol",
-        "all_reduce+slice",
-        "distgrad, sizes learned",
-        "distgrad, debug mode",
-        "distgrad compiled",
-        "funcol compiled",
-    ]
+# ---------------------------------------------------------------------------------------------
+# Report
 
 
-def _table(results: dict[str, Any]) -> list[str]:
-    names = _table_names()
+def _run_table(results: dict[str, Any]) -> list[str]:
+    names = VARIANTS
     lines = [
-        "| op, shape per rank | " + " | ".join(names) + " |",
-        "|---" * (len(names) + 1) + "|",
+        "| op, size per rank | " + " | ".join(names) + " | CPU: distgrad / torch |",
+        "|---" * (len(names) + 2) + "|",
     ]
     for op in OPS:
-        for shape in SHAPES:
-            row = results[f"{op} {shape}"]
-            cells = []
-            for name in names:
-                if name not in row:
-                    cells.append("")
-                    continue
-                median, paired = row[name]
-                cells.append(f"{median * 1e3:.2f} ms ({paired:.2f}x)")
-            lines.append(f"| {op} {shape} | " + " | ".join(cells) + " |")
-    return lines
-
-
-def _handshake_lines(results: dict[str, Any]) -> list[str]:
-    lines = [
-        "| shape per rank | handshake | distgrad all_reduce fwd+bwd | share |",
-        "|---|---|---|---|",
-    ]
-    for shape in SHAPES:
-        hs = results[f"handshake {shape}"]
-        total = results[f"all_reduce {shape}"]["distgrad"][0]
-        lines.append(f"| {shape} | {hs * 1e6:.0f} us | {total * 1e3:.2f} ms | {hs / total:.1%} |")
+        for size in SIZES:
+            row = results[f"{op} {size}"]
+            cells = [
+                f"{row[name]['median'] * 1e3:.2f} ms ({row[name]['ratio']:.2f}x)"
+                if name in row
+                else ""
+                for name in names
+            ]
+            cpu = f"{row['distgrad']['cpu'] * 1e3:.2f} / {row['torch']['cpu'] * 1e3:.2f} ms"
+            lines.append(f"| {op} {size} | " + " | ".join(cells) + f" | {cpu} |")
     return lines
 
 
 def _summary(runs: list[dict[str, Any]]) -> list[str]:
     """Each cell: the median over runs of the paired ratio, and its range over the runs."""
-    names = [n for n in _table_names() if n != "floor"]
+    names = VARIANTS
     lines = [
-        "| op, shape per rank | " + " | ".join(names) + " |",
+        "| op, size per rank | " + " | ".join(names) + " |",
         "|---" * (len(names) + 1) + "|",
     ]
     for op in OPS:
-        for shape in SHAPES:
+        for size in SIZES:
             cells = []
             for name in names:
-                ratios = [r[f"{op} {shape}"][name][1] for r in runs if name in r[f"{op} {shape}"]]
+                ratios = [
+                    r[f"{op} {size}"][name]["ratio"] for r in runs if name in r[f"{op} {size}"]
+                ]
                 if not ratios:
                     cells.append("")
                     continue
                 span = f" ({min(ratios):.2f}-{max(ratios):.2f})" if len(ratios) > 1 else ""
                 cells.append(f"{statistics.median(ratios):.2f}x{span}")
-            lines.append(f"| {op} {shape} | " + " | ".join(cells) + " |")
+            lines.append(f"| {op} {size} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _growth(by_world: dict[int, list[dict[str, Any]]]) -> list[str]:
+    """distgrad's and torch's median time per op and size at each world size."""
+    worlds = sorted(by_world)
+    head = " | ".join(f"{w} ranks" for w in worlds)
+    lines = [
+        f"| op, size per rank | {head} | CPU per call at {worlds[0]} / {worlds[-1]} ranks |",
+        "|---" * (len(worlds) + 2) + "|",
+    ]
+
+    def median(w: int, key: str, name: str, field: str) -> float:
+        return statistics.median(r[key][name][field] for r in by_world[w])
+
+    for op in OPS:
+        for size in SIZES:
+            key = f"{op} {size}"
+            cells = [
+                f"{median(w, key, 'distgrad', 'median') * 1e3:.2f} ms"
+                f" (torch {median(w, key, 'torch', 'median') * 1e3:.2f})"
+                for w in worlds
+            ]
+            first, last = (median(w, key, "distgrad", "cpu") * 1e3 for w in (worlds[0], worlds[-1]))
+            lines.append(f"| {key} | " + " | ".join(cells) + f" | {first:.2f} / {last:.2f} ms |")
     return lines
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="3 iterations: a smoke test")
+    parser.add_argument("--world-sizes", default="2,4,8", help="comma-separated (default 2,4,8)")
     parser.add_argument("--runs", type=int, default=3, help="independent runs (fresh processes)")
+    parser.add_argument("--quick", action="store_true", help="3 rounds, 1 run: a smoke test")
+    parser.add_argument("--no-compile", action="store_true", help="leave out compiled variants")
+    parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args()
+    worlds = [int(w) for w in args.world_sizes.split(",")]
+    for world in worlds:
+        if min(SIZES.values()) % world:
+            parser.error(f"every world size must divide {min(SIZES.values())} (the rows at 32 KB)")
     runs = 1 if args.quick else args.runs
+    by_world: dict[int, list[dict[str, Any]]] = {w: [] for w in worlds}
     sections: list[str] = []
-    every: list[dict[str, Any]] = []
     started = time.perf_counter()
     for run in range(runs):
-        load_before = os.getloadavg()[0]
-        results = run_on_ranks(_bench, 2, args=(args.quick,), timeout=1800, collective_timeout=600)[
-            0
-        ]
-        every.append(results)
-        sections += [
-            f"## Run {run + 1} (1-minute load average {load_before:.1f} before it, "
-            f"{os.getloadavg()[0]:.1f} after)",
-            "",
-            *_table(results),
-            "",
-            "The metadata exchange alone (what a checked call, or one that learns its sizes, "
-            "adds), next to a whole distgrad all_reduce forward+backward:",
-            "",
-            *_handshake_lines(results),
-            "",
-        ]
-        print("\n".join(sections[-12:]), flush=True)
+        for world in worlds:
+            load_before = os.getloadavg()[0]
+            took = time.perf_counter()
+            results = run_on_ranks(
+                _bench,
+                world,
+                args=(args.quick, not args.no_compile),
+                timeout=3600,
+                collective_timeout=900,
+            )[0]
+            by_world[world].append(results)
+            sections += [
+                f"### {world} ranks, run {run + 1} ({time.perf_counter() - took:.0f} s; "
+                f"1-minute load average {load_before:.1f} before it, "
+                f"{os.getloadavg()[0]:.1f} after)",
+                "",
+                *_run_table(results),
+                "",
+            ]
+            print("\n".join(sections[-len(OPS) * len(SIZES) - 4 :]), flush=True)
     took = time.perf_counter() - started
+    cores = os.cpu_count()
     body = [
-        "# Collectives: forward+backward time (2 ranks, gloo, CPU, float32)",
+        "# Collectives: forward+backward time at every world size (gloo, CPU, float32)",
         "",
-        f"Measured {datetime.date.today()} on {platform.machine()} with {os.cpu_count()} cores, "
-        f"torch {torch.__version__}, by `python benchmarks/collectives.py` "
-        f"({'quick' if args.quick else 'full'}, {runs} independent run(s) in fresh processes, "
-        f"{took:.0f} s). In each run every variant ran interleaved with the others in the same "
-        "two processes, in a shuffled order each round, each timed until its results are "
-        "readable (the slower rank's time). A run's cell is the median time and, in brackets, "
-        "the median over rounds of the variant's time over the floor's time in the same round. "
-        "Rounds per run: "
-        + ", ".join(f"{n} at {s}" for s, n in zip(SHAPES, ITERATIONS.values(), strict=True))
-        + ". distgrad runs past the first 8 calls on the group, which it checks across ranks; "
-        "from then on a call with its sizes sends only its data (docs/semantics.md). The "
-        "compiled variants were compiled before the rounds (not timed).",
+        f"Measured {datetime.date.today()} on {platform.machine()} with {cores} cores, "
+        f"torch {torch.__version__}, by `python benchmarks/collectives.py --world-sizes "
+        f"{args.world_sizes}{' --quick' if args.quick else ''}"
+        f"{' --no-compile' if args.no_compile else ''}` ({runs} independent run(s) per world "
+        f"size in fresh processes, {took:.0f} s). Rounds per run: "
+        + ", ".join(f"{ROUNDS[s] if not args.quick else 3} at {s}" for s in SIZES)
+        + ". Each cell is the median time and, in brackets, the median over rounds of the "
+        "variant's time over the faster of torch and the floor in the same round. distgrad "
+        "runs past the first 8 calls on the group, which it checks across ranks. With more "
+        f"ranks than the machine's {cores} cores, the ranks and their threads share the cores: "
+        "times grow with the ranks for that reason too; the ratios, paired in the same "
+        "processes and moment, are what carry over.",
         "",
-        "## Summary: ratio to the floor, median over the runs (range over the runs)",
+    ]
+    for world in worlds:
+        body += [
+            f"## {world} ranks: ratio to the faster of torch and the floor, median over the "
+            "runs (range)",
+            "",
+            *_summary(by_world[world]),
+            "",
+        ]
+    body += [
+        "## Growth with the ranks: distgrad's median time (torch's), and CPU per call",
         "",
-        "On 2 cores the two ranks and their gloo threads contend for the cores, and a single "
-        "run's ratio moves by up to 0.1x from one run to the next; this table is the one to read.",
+        *_growth(by_world),
         "",
-        *_summary(every),
+        "## Every run",
         "",
         *sections,
     ]
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text("\n".join(body))
-    print("\n".join(body[: 12 + len(OPS) * len(SHAPES)]))
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text("\n".join(body))
+    print(f"wrote {args.output}")
 
 
 if __name__ == "__main__":
