@@ -117,8 +117,9 @@ class Section:
         return found
 
 
-def not_run(part: str, why: str) -> Section:
-    return Section(part, f"The {part} part.", ("setup", "result"), [("-", f"not run: {why}")])
+def one_row(part: str, result: str) -> Section:
+    """A part reduced to one row: why it did not run, or how it failed as a whole."""
+    return Section(part, f"The {part} part.", ("setup", "result"), [("-", result)])
 
 
 def render(sections: Sequence[Section], device: str, gpus: int, seconds: float) -> str:
@@ -172,13 +173,15 @@ def _short(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
 
 
-def _failure(exc: BaseException) -> str:
-    """The first line of a failed run: the rank's own error, not the launcher's wrapping."""
-    text = str(exc)
-    for line in text.splitlines():
-        if "Error" in line and not line.startswith("RankFailedError"):
-            return line.strip()[:200]
-    return _short(exc)
+def _failure(exc: BaseException | str, setup: Setup) -> str:
+    """A row's result for an error: the rank's own error, not the launcher's wrapping; an
+    error of gloo's with CUDA tensors is gloo's gap (``not run``), anything else a ``FAIL``."""
+    text = exc if isinstance(exc, str) else str(exc)
+    lines = [line.strip() for line in text.splitlines()]
+    first = next((ln for ln in lines if "Error" in ln and "RankFailedError" not in ln), lines[0])
+    if setup.backend == "gloo" and setup.device == "cuda" and "gloo" in text.lower():
+        return f"not run: gloo does not take CUDA tensors here: {first[:200]}"
+    return f"FAIL: {first[:200]}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -234,12 +237,12 @@ def part_gradients(device: str, gpus: int) -> Section:
                     timeout=120, collective_timeout=30,
                 )  # fmt: skip
             except RankFailedError as exc:
-                section.rows.append((setup.label, op, "-", f"-/{count}", f"FAIL: {_failure(exc)}"))
+                section.rows.append((setup.label, op, "-", f"-/{count}", _failure(exc, setup)))
                 continue
             for i, (dtype, _, _) in enumerate(per_rank[0]):
                 worst = min(r[i][1] if i < len(r) else 0 for r in per_rank)
                 firsts = [r[i][2] for r in per_rank if i < len(r) and r[i][2]]
-                result = "pass" if worst == count and not firsts else f"FAIL: {firsts[0]}"
+                result = "pass" if worst == count and not firsts else _failure(firsts[0], setup)
                 section.rows.append((setup.label, op, dtype, f"{worst}/{count}", result))
             if len(per_rank[0]) < 2:
                 section.rows.append((setup.label, op, "torch.float32", "-", "not run: see above"))
@@ -401,7 +404,7 @@ def part_losses(device: str, gpus: int) -> Section:
                 timeout=180, collective_timeout=60,
             )  # fmt: skip
         except RankFailedError as exc:
-            section.rows.append((setup.label, "every loss", "-", "-", f"FAIL: {_failure(exc)}"))
+            section.rows.append((setup.label, "every loss", "-", "-", _failure(exc, setup)))
             continue
         i = 0
         for name, block in LOSSES:
@@ -559,7 +562,7 @@ def part_sync(device: str, gpus: int) -> Section:
                 timeout=120, collective_timeout=30,
             )  # fmt: skip
         except RankFailedError as exc:
-            section.rows.append((setup.label, "every call", f"FAIL: {_failure(exc)}"))
+            section.rows.append((setup.label, "every call", _failure(exc, setup)))
             continue
         for i, (name, _) in enumerate(per_rank[0]):
             seen = sorted({r[i][1] for r in per_rank if r[i][1]})
@@ -632,7 +635,7 @@ def part_compile(device: str, gpus: int) -> Section:
             timeout=400, collective_timeout=120,
         )  # fmt: skip
     except RankFailedError as exc:
-        section.rows.append((setup.label, backend, "-", "-", f"FAIL: {_failure(exc)}"))
+        section.rows.append((setup.label, backend, "-", "-", _failure(exc, setup)))
         return section
     graphs, breaks, reasons, _ = per_rank[0]
     if (graphs, breaks) != (1, 0):
@@ -688,7 +691,7 @@ def part_memory(device: str, gpus: int) -> Section:
             timeout=300, collective_timeout=120,
         )  # fmt: skip
     except RankFailedError as exc:
-        section.rows.append((setup.label, "-", "-", f"FAIL: {_failure(exc)}"))
+        section.rows.append((setup.label, "-", "-", _failure(exc, setup)))
         return section
     for i, (batch, path, _) in enumerate(per_rank[0]):
         peak = max(r[i][2] for r in per_rank)
@@ -903,7 +906,7 @@ def part_timing(device: str, gpus: int) -> Section:
             timeout=400, collective_timeout=120,
         )  # fmt: skip
     except RankFailedError as exc:
-        section.rows.append((setup.label, "every op", "-", "-", "-", f"FAIL: {_failure(exc)}"))
+        section.rows.append((setup.label, "every op", "-", "-", "-", _failure(exc, setup)))
         return section
     for op, shape, name, ms, ratio, spread in per_rank[0]:
         section.rows.append(
@@ -933,14 +936,13 @@ def run(device: str, parts: Sequence[str]) -> list[Section]:
     for part in parts:
         started = time.monotonic()
         if device == "cuda" and gpus == 0:
-            sections.append(not_run(part, "no CUDA device (torch.cuda.is_available() is False)"))
+            sections.append(one_row(part, "not run: no CUDA device (torch.cuda is not available)"))
             continue
         try:
             sections.append(RUNNERS[part](device, gpus))
         except Exception as exc:  # the other parts still run and the file is still written
             traceback.print_exc()
-            sections.append(not_run(part, f"the part itself failed: {_short(exc)}"))
-            sections[-1].rows[-1] = ("-", f"FAIL: the part itself failed: {_short(exc)}")
+            sections.append(one_row(part, f"FAIL: the part itself failed: {_short(exc)}"))
         print(f"{part}: {time.monotonic() - started:.1f} s", flush=True)
     return sections
 
