@@ -262,15 +262,15 @@ class _Function(nn.Module):
 
     def forward(self, a: Tensor, b: Tensor, sizes: Sequence[int] | None = None) -> Tensor:
         L = dg.losses
-        ring = {"block_size": self.block}
+        block = self.block
         if self.name == "info_nce":
-            return L.info_nce(a, b, temperature=0.3, sizes=sizes, **ring)
+            return L.info_nce(a, b, temperature=0.3, sizes=sizes, block_size=block)
         if self.name == "nt_xent":
-            return L.nt_xent(a, b, temperature=0.3, sizes=sizes, **ring)
+            return L.nt_xent(a, b, temperature=0.3, sizes=sizes, block_size=block)
         if self.name == "clip_loss":
-            return L.clip_loss(a, b, 10.0, sizes=sizes, **ring)
+            return L.clip_loss(a, b, 10.0, sizes=sizes, block_size=block)
         if self.name == "siglip_loss":
-            return L.siglip_loss(a, b, 10.0, -5.0, sizes=sizes, **ring)
+            return L.siglip_loss(a, b, 10.0, -5.0, sizes=sizes, block_size=block)
         return L.barlow_twins(a, b, lambda_offdiag=0.1, sizes=sizes)
 
 
