@@ -1,8 +1,8 @@
 """Raw communication that ``torch.compile`` can trace: ``_comm`` as ``torch.library`` custom ops.
 
 The differentiable collectives call these functions in forward and backward. In eager mode each
-one calls ``_comm`` directly: a custom op's dispatch costs about 40 us per call, as much as a
-small gloo exchange, and eager speed must not pay for compilation. While ``torch.compile``
+one calls ``_comm`` directly: eager speed must not pay for compilation, and even a lean custom
+op (``distgrad._library``) adds a trip through the dispatcher to every call. While ``torch.compile``
 traces, each one emits a ``distgrad::`` custom op instead: an opaque node with a fake kernel
 that gives its output's shape, so the whole step compiles to one graph with no break, and the
 node runs the same ``_comm`` code when the graph runs. The autograd formulas stay where they
@@ -26,6 +26,7 @@ from torch import Tensor
 
 from distgrad import _comm
 from distgrad._group import Group, resolve
+from distgrad._library import op
 
 __all__ = [
     "all_gather",
@@ -90,7 +91,7 @@ def all_gather(x: Tensor, sizes: Sequence[int], group: Group) -> Tensor:
     return _comm.all_gather(x, sizes, group)
 
 
-@torch.library.custom_op("distgrad::all_gather", mutates_args=("token",))
+@op("all_gather")
 def _all_gather(x: Tensor, sizes: list[int], group: str, token: Tensor) -> Tensor:
     return _comm.all_gather(x, sizes, group_named(group))
 
@@ -109,7 +110,7 @@ def reduce_scatter(x: Tensor, sizes: Sequence[int], group: Group) -> Tensor:
     return _comm.reduce_scatter(x, sizes, group)
 
 
-@torch.library.custom_op("distgrad::reduce_scatter", mutates_args=("token",))
+@op("reduce_scatter")
 def _reduce_scatter(x: Tensor, sizes: list[int], rank: int, group: str, token: Tensor) -> Tensor:
     return _comm.reduce_scatter(x, sizes, group_named(group))
 
@@ -130,7 +131,7 @@ def all_to_all(
     return _comm.all_to_all(x, input_sizes, output_sizes, group)
 
 
-@torch.library.custom_op("distgrad::all_to_all", mutates_args=("token",))
+@op("all_to_all")
 def _all_to_all(
     x: Tensor, input_sizes: list[int], output_sizes: list[int], group: str, token: Tensor
 ) -> Tensor:
@@ -151,7 +152,7 @@ def all_reduce(x: Tensor, op: str, group: Group) -> Tensor:
     return _comm.all_reduce(x, op, group)
 
 
-@torch.library.custom_op("distgrad::all_reduce", mutates_args=("token",))
+@op("all_reduce")
 def _all_reduce(x: Tensor, op: str, group: str, token: Tensor) -> Tensor:
     return _comm.all_reduce(x, op, group_named(group))
 
@@ -168,7 +169,7 @@ def broadcast(x: Tensor, src: int, group: Group) -> Tensor:
     return _comm.broadcast(x, src, group)
 
 
-@torch.library.custom_op("distgrad::broadcast", mutates_args=("token",))
+@op("broadcast")
 def _broadcast(x: Tensor, src: int, group: str, token: Tensor) -> Tensor:
     return _comm.broadcast(x, src, group_named(group))
 
@@ -191,7 +192,7 @@ def _reduce_or_zeros(x: Tensor, dst: int, group: Group) -> Tensor:
     return out if out is not None else torch.zeros_like(x, memory_format=torch.contiguous_format)
 
 
-@torch.library.custom_op("distgrad::reduce", mutates_args=("token",))
+@op("reduce")
 def _reduce(x: Tensor, dst: int, group: str, token: Tensor) -> Tensor:
     return _reduce_or_zeros(x, dst, group_named(group))
 
@@ -216,7 +217,7 @@ def _gather_or_empty(x: Tensor, sizes: Sequence[int], dst: int, group: Group) ->
     return out if out is not None else x.new_empty((0, *x.shape[1:]))
 
 
-@torch.library.custom_op("distgrad::gather", mutates_args=("token",))
+@op("gather")
 def _gather(x: Tensor, sizes: list[int], dst: int, rank: int, group: str, token: Tensor) -> Tensor:
     return _gather_or_empty(x, sizes, dst, group_named(group))
 
@@ -244,7 +245,7 @@ def scatter(
     return _comm.scatter(x, sizes, src, trailing, dtype, device, group)
 
 
-@torch.library.custom_op("distgrad::scatter", mutates_args=("token",))
+@op("scatter")
 def _scatter(
     x: Tensor | None,
     sizes: list[int],
@@ -285,7 +286,7 @@ def permute(x: Tensor, perm: Sequence[int], recv_shape: Sequence[int], group: Gr
     return _comm.permute(x, perm, recv_shape, group)
 
 
-@torch.library.custom_op("distgrad::permute", mutates_args=("token",))
+@op("permute")
 def _permute(
     x: Tensor, perm: list[int], recv_shape: list[int], group: str, token: Tensor
 ) -> Tensor:

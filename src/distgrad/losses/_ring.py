@@ -41,6 +41,7 @@ from torch.autograd.function import FunctionCtx, once_differentiable
 
 from distgrad import _comm, _ops
 from distgrad._group import Group
+from distgrad._library import op
 
 __all__ = ["KINDS", "ring_clip", "ring_reduce"]
 
@@ -326,7 +327,7 @@ def ring_clip(
 # every rank's exchanges in program order).
 
 
-@torch.library.custom_op("distgrad::ring_reduce", mutates_args=("token",))
+@op("ring_reduce")
 def _ring_reduce_op(
     a: Tensor,
     k: Tensor,
@@ -347,7 +348,7 @@ def _(a: Tensor, k: Tensor, scale: Tensor, bias: Tensor, *plan: object) -> Tenso
     return a.new_empty((a.shape[0],))
 
 
-@torch.library.custom_op("distgrad::ring_reduce_backward", mutates_args=("token",))
+@op("ring_reduce_backward")
 def _ring_reduce_backward_op(
     a: Tensor,
     k: Tensor,
@@ -378,7 +379,7 @@ def _(
     )
 
 
-@torch.library.custom_op("distgrad::ring_clip", mutates_args=("token",))
+@op("ring_clip")
 def _ring_clip_op(
     x: Tensor,
     y: Tensor,
@@ -398,7 +399,7 @@ def _(x: Tensor, y: Tensor, scale: Tensor, *plan: object) -> tuple[Tensor, Tenso
     return x.new_empty((x.shape[0],)), y.new_empty((y.shape[0],))
 
 
-@torch.library.custom_op("distgrad::ring_clip_backward", mutates_args=("token",))
+@op("ring_clip_backward")
 def _ring_clip_backward_op(
     x: Tensor,
     y: Tensor,

@@ -41,6 +41,7 @@ from torch.autograd.function import FunctionCtx, once_differentiable
 
 from distgrad import _ops
 from distgrad._group import Group, ProcessGroup, resolve
+from distgrad._library import op
 from distgrad.collectives.all_gather import all_gather
 from distgrad.collectives.permute import permute
 
@@ -243,7 +244,7 @@ class _RingAttention(torch.autograd.Function):
 # program order (distgrad._ops).
 
 
-@torch.library.custom_op("distgrad::ring_attention", mutates_args=("token",))
+@op("ring_attention")
 def _ring_attention_op(
     q: Tensor,
     k: Tensor,
@@ -262,7 +263,7 @@ def _(q: Tensor, k: Tensor, v: Tensor, *plan: object) -> tuple[Tensor, Tensor]:
     return q.new_empty((*q.shape[:-1], v.shape[-1])), q.new_empty(q.shape[:-1])
 
 
-@torch.library.custom_op("distgrad::ring_attention_backward", mutates_args=("token",))
+@op("ring_attention_backward")
 def _ring_attention_backward_op(
     q: Tensor,
     k: Tensor,
