@@ -20,7 +20,7 @@ class Api:
 
     rpc: Any
     dist_autograd: Any
-    DistributedOptimizer: Any  # noqa: N815 (torch's class name)
+    DistributedOptimizer: Any
 
 
 def api(name: str) -> Api:

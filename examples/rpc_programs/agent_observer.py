@@ -17,9 +17,8 @@ import threading
 from typing import Any
 
 import torch
-from torch import nn
-
 from examples.rpc_programs._api import Api, Result, api, join
+from torch import nn
 
 EPISODES, EPISODE_STEPS, GAMMA = 4, 6, 0.9
 _api: list[Api] = []

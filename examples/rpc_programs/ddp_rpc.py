@@ -13,10 +13,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from examples.rpc_programs._api import Api, Result, api, join
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-
-from examples.rpc_programs._api import Api, Result, api, join
 
 STEPS = 4
 ROWS, WIDTH = 20, 6

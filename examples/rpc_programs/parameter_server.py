@@ -9,9 +9,8 @@ import threading
 from typing import Any
 
 import torch
-from torch import nn
-
 from examples.rpc_programs._api import Api, Result, api, join
+from torch import nn
 
 STEPS = 4
 _api: list[Api] = []  # this process's modules (one mode per process)

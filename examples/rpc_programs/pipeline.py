@@ -13,9 +13,8 @@ import threading
 from typing import Any
 
 import torch
-from torch import nn
-
 from examples.rpc_programs._api import Api, Result, api, join
+from torch import nn
 
 STEPS = 4
 MICRO_BATCHES = 2

@@ -4,16 +4,19 @@ training loop, with distributed autograd and one DistributedOptimizer over all t
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
-from torch import nn
-
 from examples.rpc_programs._api import Api, Result, api, join
+from torch import nn
 
 STEPS = 4
 TOKENS, WIDTH, HIDDEN = 20, 6, 8
 _api: list[Api] = []
+# The table and the decoder are made by two ``rpc.remote`` calls that worker1 may serve at once,
+# on two threads: each seeds the global generator, so one at a time.
+_seeding = threading.Lock()
 
 
 def _call_method(method: Any, rref: Any, *args: Any) -> Any:
@@ -31,8 +34,9 @@ def _parameter_rrefs(module: nn.Module) -> list[Any]:
 class EmbeddingTable(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        torch.manual_seed(1)
-        self.encoder = nn.Embedding(TOKENS, WIDTH)
+        with _seeding:
+            torch.manual_seed(1)
+            self.encoder = nn.Embedding(TOKENS, WIDTH)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.encoder(tokens)  # type: ignore[no-any-return]
@@ -41,8 +45,9 @@ class EmbeddingTable(nn.Module):
 class Decoder(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        torch.manual_seed(2)
-        self.decoder = nn.Linear(HIDDEN, TOKENS)
+        with _seeding:
+            torch.manual_seed(2)
+            self.decoder = nn.Linear(HIDDEN, TOKENS)
 
     def forward(self, output: torch.Tensor) -> torch.Tensor:
         return self.decoder(output)  # type: ignore[no-any-return]

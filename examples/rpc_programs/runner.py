@@ -11,10 +11,10 @@ import tempfile
 from typing import Any
 
 import torch
-
-from distgrad.testing import run_on_ranks
 from examples.rpc_programs import AUTOGRAD_PROGRAMS, PROGRAMS
 from examples.rpc_programs._api import Result
+
+from distgrad.testing import run_on_ranks
 
 WORLD_SIZE = 3  # worker0, worker1, worker2 (rnn leaves worker2 idle)
 

@@ -11,7 +11,6 @@ not asserted here."""
 from __future__ import annotations
 
 import pytest
-
 from examples.rpc_programs import AUTOGRAD_PROGRAMS, PROGRAMS
 from examples.rpc_programs.runner import differences, launch
 

@@ -120,7 +120,7 @@ def install() -> None:
         if _fsdp_module is None:
             # FSDPModule defines no __call__: the one after it in an FSDP2 class's MRO is the
             # module's own (nn.Module's), which _call calls.
-            FSDPModule.__call__ = _call  # type: ignore[attr-defined]
+            FSDPModule.__call__ = _call  # type: ignore[attr-defined,method-assign]
             _fsdp_module = FSDPModule
 
 
