@@ -20,6 +20,9 @@ DDP reduces once per forward, in one backward. A parameter reached twice (FAST r
 subgraph once per message that reaches it; a second backward over one forward), or a SMART
 step that stops at held edges over them, cannot be right and raises
 :class:`RpcAutogradError`.
+
+The bookkeeping (:class:`Reduction`, :class:`Reductions`) serves FSDP2 too (``_fsdp``), whose
+hooks reduce-scatter into other tensors than the leaves they read.
 """
 
 from __future__ import annotations
@@ -35,28 +38,48 @@ from distgrad.errors import RpcAutogradError
 from distgrad.rpc import _identity
 from distgrad.rpc._context import lookup
 
-__all__ = ["Reductions", "install"]
+__all__ = ["DDPReduction", "EngineCall", "Reduction", "Reductions", "install"]
 
 
-class _Module:
-    """One DDP module's reduction in a context, from its forward until DDP has averaged."""
+class Reduction:
+    """What a reducing wrapper (DDP here, FSDP2 in ``_fsdp``) does in one context, from its
+    forward until it has reduced: the leaves whose AccumulateGrad must write ``.grad`` for
+    the wrapper's hooks (``ids``), and the parameters whose ``.grad`` then holds the reduced
+    gradient (``params``; the same tensors for DDP, FSDP2's sharded ones for FSDP2)."""
 
-    def __init__(self, module: Any) -> None:
+    kind = "DDP"
+    verb = "averaged"
+    also = ""  # more causes of a second reach, for the error
+
+    def __init__(self, module: Any, leaves: list[Tensor], params: list[Tensor]) -> None:
         self.module = module
-        self.params = [p for p in module.parameters() if p.requires_grad]
-        self.ids = {id(p) for p in self.params}
-        self.reached: set[int] = set()  # parameters whose AccumulateGrad ran (or will run)
+        self.key: object = module  # a second forward with the same key: see ``merge``
+        self.ids = {id(p) for p in leaves}
+        self.params = params
+        self.reached: set[int] = set()  # leaves whose AccumulateGrad ran (or will run)
         self.saved: list[Tensor | None] | None = None  # each .grad, put aside meanwhile
-        # Without find_unused_parameters DDP waits for every parameter, so its reduction may
-        # span engine calls (the module's own forward made an RPC); with it, DDP decides at
-        # forward time what is unused, which distgrad cannot see: one engine call only.
-        self.spans_calls = not module.find_unused_parameters
+        # Whether the wrapper waits for every leaf, so that its reduction may span engine
+        # calls (see DDPReduction); otherwise it reduces in the first engine call reaching it.
+        self.spans_calls = False
+
+    @property
+    def name(self) -> str:
+        return f"{type(self.module).__name__}({type(self.module.module).__name__})"
+
+    def merge(self, later: Reduction) -> Reduction:
+        """The record to keep when ``later`` (same key) comes before a backward."""
+        self.restore()
+        return later
 
     def put_aside(self) -> None:
         if self.saved is None:
             self.saved = [p.grad for p in self.params]
             for p in self.params:
                 p.grad = None
+
+    def collect(self) -> list[tuple[Tensor, Tensor]]:
+        """After the wrapper reduced: the reduced gradients (before ``restore``)."""
+        return [(p, p.grad) for p in self.params if p.grad is not None]
 
     def restore(self) -> None:
         """Give every ``.grad`` its value from before (once; later calls do nothing)."""
@@ -66,54 +89,66 @@ class _Module:
             self.saved = None
 
 
+class DDPReduction(Reduction):
+    """One DDP module's reduction: its parameters are the leaves and get the averages."""
+
+    def __init__(self, module: Any) -> None:
+        params = [p for p in module.parameters() if p.requires_grad]
+        super().__init__(module, params, params)
+        # Without find_unused_parameters DDP waits for every parameter, so its reduction may
+        # span engine calls (the module's own forward made an RPC); with it, DDP decides at
+        # forward time what is unused, which distgrad cannot see: one engine call only.
+        self.spans_calls = not module.find_unused_parameters
+
+
 class Reductions:
-    """The DDP modules of one context whose forward expects a gradient reduction."""
+    """The reducing wrappers (DDP, FSDP2) of one context whose forward expects a reduction."""
 
     def __init__(self) -> None:
-        self.pending: list[_Module] = []  # noted, not yet averaged
-        self.reduced: dict[int, str] = {}  # id(parameter) -> the module's name, once averaged
+        self.pending: list[Reduction] = []  # noted, not yet reduced
+        self.reduced: dict[int, Reduction] = {}  # id(leaf) -> its reduction, once reduced
 
-    def note(self, module: Any) -> None:
-        for r in self.pending:
-            if r.module is module:  # a second forward before a backward: start again
-                r.restore()
-                self.pending.remove(r)
+    def note(self, record: Reduction) -> None:
+        for i, r in enumerate(self.pending):
+            if r.key is record.key:  # a second forward before a backward
+                record = self.pending.pop(i).merge(record)
                 break
-        self.pending.append(_Module(module))
-        for p in module.parameters():
-            self.reduced.pop(id(p), None)  # a new forward: a new reduction
+        self.pending.append(record)
+        for i in record.ids:
+            self.reduced.pop(i, None)  # a new forward: a new reduction
 
-    def begin(self, leaves: Sequence[tuple[Tensor, Any]], *, capturing: bool) -> _Reduction:
+    def begin(self, leaves: Sequence[tuple[Tensor, Any]], *, capturing: bool) -> EngineCall:
         """The reductions the engine call over ``leaves`` takes part in (none if it reaches
-        no DDP parameter); raises if it reaches a parameter twice or cannot run DDP."""
+        no wrapper's leaf); raises if it reaches a leaf twice or cannot run the hooks."""
         ids = {id(leaf) for leaf, _ in leaves}
         for leaf, _ in leaves:
             if id(leaf) in self.reduced:
                 raise RpcAutogradError(_twice(self.reduced[id(leaf)]))
         touched = [r for r in self.pending if r.ids & ids]
         if touched and capturing:
+            r = touched[0]
             raise RpcAutogradError(
-                f"distgrad.rpc.backward(mode='smart') reached the parameters of "
-                f"{_name(touched[0].module)} in a step that stops at held gradients, where "
-                "DDP's hooks do not run, so its averaged gradients cannot be put in the "
-                "context; use mode='fast', or keep the module's output off RPC until the loss"
+                f"distgrad.rpc.backward(mode='smart') reached the parameters of {r.name} in a "
+                f"step that stops at held gradients, where {r.kind}'s hooks do not run, so its "
+                "reduced gradients cannot be put in the context; use mode='fast', or keep the "
+                "module's output off RPC until the loss"
             )
         for r in touched:
             if r.reached & ids:
-                raise RpcAutogradError(_twice(_name(r.module)))
+                raise RpcAutogradError(_twice(r))
             r.reached |= r.ids & ids
-        return _Reduction(self, touched)
+        return EngineCall(self, touched)
 
-    def done(self, r: _Module) -> None:
+    def done(self, r: Reduction) -> None:
         self.pending.remove(r)
-        for p in r.params:
-            self.reduced[id(p)] = _name(r.module)
+        for i in r.ids:
+            self.reduced[i] = r
 
 
-class _Reduction:
-    """The DDP reductions one engine call takes part in."""
+class EngineCall:
+    """The reductions one engine call takes part in."""
 
-    def __init__(self, owner: Reductions, touched: list[_Module]) -> None:
+    def __init__(self, owner: Reductions, touched: list[Reduction]) -> None:
         self.owner = owner
         self.touched = touched
         self.through = {i for r in touched for i in r.ids}  # AccumulateGrad writes their .grad
@@ -128,7 +163,7 @@ class _Reduction:
         found: list[tuple[Tensor, Tensor]] = []
         for r in self.touched:
             if r.reached == r.ids or not r.spans_calls:
-                found += [(p, p.grad) for p in r.params if p.grad is not None]
+                found += r.collect()
                 r.restore()
                 self.owner.done(r)
         return found
@@ -141,18 +176,14 @@ class _Reduction:
                 self.owner.done(r)
 
 
-def _name(module: Any) -> str:
-    return f"DistributedDataParallel({type(module.module).__name__})"
-
-
-def _twice(name: str) -> str:
+def _twice(r: Reduction) -> str:
     return (
-        f"distgrad.rpc.backward reached the parameters of {name} again after DDP had "
-        "averaged their gradients for this forward: DDP reduces once per forward, in one "
-        "backward. This happens when the module's output reaches the loss through RPC "
-        "(FAST runs a local subgraph once per message that reaches it) or when backward "
-        "runs twice over one forward; run the DDP module's forward once per backward, with "
-        "its output reaching the loss locally"
+        f"distgrad.rpc.backward reached the parameters of {r.name} again after {r.kind} had "
+        f"{r.verb} their gradients for this forward: {r.kind} reduces once per forward, in "
+        "one backward. This happens when the module's output reaches the loss through RPC "
+        "(FAST runs a local subgraph once per message that reaches it), when backward runs "
+        f"twice over one forward{r.also}; run the {r.kind} module's forward once per "
+        "backward, with its output reaching the loss locally"
     )
 
 
@@ -181,5 +212,5 @@ def _forward(self: Any, *args: Any, **kwargs: Any) -> Any:
         with ctx.lock:
             if ctx.ddp is None:
                 ctx.ddp = Reductions()
-            ctx.ddp.note(self)
+            ctx.ddp.note(DDPReduction(self))
     return out

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 __all__ = ["GradientStore", "memory_of", "owns_its_memory"]
 
@@ -24,8 +25,20 @@ def _block(t: Tensor) -> tuple[int, ...]:
     return (storage.data_ptr(),) if storage.nbytes() else ()
 
 
+def _inner(t: Tensor) -> list[Tensor] | None:
+    """The tensors a wrapper subclass (a DTensor: FSDP2's sharded gradients) holds its data
+    in, or ``None`` for a tensor that holds its own (a wrapper has no storage of its own)."""
+    if not is_traceable_wrapper_subclass(t):
+        return None
+    names, _ = t.__tensor_flatten__()
+    return [x for x in (getattr(t, n) for n in names) if isinstance(x, Tensor)]
+
+
 def memory_of(t: Tensor) -> tuple[int, ...]:
     """Where ``t``'s memory starts (one entry per buffer; none for empty tensors)."""
+    inner = _inner(t)
+    if inner is not None:
+        return tuple(k for x in inner for k in memory_of(x))
     if t.layout == torch.sparse_coo:
         return _block(t._indices()) + _block(t._values())
     if t.layout == torch.strided:
@@ -54,8 +67,18 @@ def owns_its_memory(tensor: Tensor, grad: Tensor) -> bool:
 
     Dense: ``grad`` fills its whole storage and has ``tensor``'s strides (contiguous strides
     when ``tensor`` is not dense itself). Sparse COO: contiguous indices and values that fill
-    their storage. Other layouts are always copied.
+    their storage. A wrapper subclass (DTensor): each inner tensor, against ``tensor``'s of
+    the same type. Other layouts are always copied.
     """
+    inner, like = _inner(grad), _inner(tensor)
+    if inner is not None or like is not None:
+        return (
+            type(grad) is type(tensor)
+            and inner is not None
+            and like is not None
+            and len(inner) == len(like)
+            and all(owns_its_memory(t, g) for t, g in zip(like, inner, strict=True))
+        )
     if grad.layout == torch.sparse_coo:
         return _fills(grad._indices()) and _fills(grad._values())
     if grad.layout != torch.strided or tensor.layout != torch.strided:

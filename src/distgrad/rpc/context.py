@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from torch import Tensor
 
 from distgrad.errors import RpcAutogradError
-from distgrad.rpc import _context, _ddp, _identity, _release, _transport
+from distgrad.rpc import _context, _ddp, _fsdp, _identity, _release, _transport
 from distgrad.rpc._context import DistAutogradContext
 
 __all__ = ["DistAutogradContext", "context", "current_context_id", "debug_state", "get_gradients"]
@@ -50,6 +50,7 @@ def context(*, wait_for_release: bool = False) -> Iterator[int]:
         )
     _transport.install_guard()
     _ddp.install()
+    _fsdp.install()
     context_id = _identity.new_id()
     _context.get_or_create(context_id)
     _identity.set_current(context_id)
