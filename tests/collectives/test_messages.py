@@ -3,10 +3,11 @@
 Counted, not timed: the torch profiler records every torch.distributed operation a rank runs
 (``c10d::...`` events), in the forward and in the backward pass, on 2 gloo ranks after the
 calls that are checked across ranks. Each op's counts are pinned below. On gloo, all_to_all
-runs as concurrent point-to-point pairs (one send and one receive per peer), so "send 1,
-recv 1" on 2 ranks is one all_to_all. Below 256 KB per rank (the (4, 3) cases) all_gather is
+is gloo's own below 32 MB per rank (all these cases), and so is the exchange of a large
+reduce-scatter (then summed locally). Below 256 KB per rank (the (4, 3) cases) all_gather is
 gloo's own and a reduce-scatter an all_reduce and a slice; from 256 KB (the "256 KB" cases)
-both are pairs. A metadata exchange is an ``_allgather_base_`` of int64.
+all_gather runs as concurrent point-to-point pairs (one send and one receive per peer: "send 1,
+recv 1" on 2 ranks). A metadata exchange is an ``_allgather_base_`` of int64.
 
 Not counted: the dead-peer watch's sentinel, a receive posted once per peer for the life of the
 group when some wait first lasts a tick (``distgrad._wait``). It is made before counting, so
@@ -30,6 +31,7 @@ from distgrad.testing import run_on_ranks
 from tests.collectives.reference import warm_up
 
 PAIR = {"send": 1, "recv_": 1}  # one exchange by point-to-point pairs, on 2 ranks
+A2A = {"alltoall_base_": 1}  # gloo's all_to_all
 AG = {"_allgather_base_": 1}  # gloo's all_gather (a small one)
 RS = {"allreduce_": 1}  # a small reduce-scatter on gloo: an all_reduce, then a slice
 BIG_ROWS = 8192  # (8192, 4) float64: 256 KB per rank, where all_gather goes back to pairs
@@ -74,16 +76,16 @@ EXPECTED: dict[str, tuple[dict[str, int], dict[str, int]]] = {  # (forward, back
     "all_gather, sizes given": (AG, RS),
     "all_gather, sizes learned": ({"_allgather_base_": 2}, RS),  # the sizes, then the data
     "reduce_scatter": (RS, AG),
-    "all_gather, sizes given, 256 KB": (PAIR, PAIR),
-    "reduce_scatter, 256 KB": (PAIR, PAIR),
+    "all_gather, sizes given, 256 KB": (PAIR, A2A),
+    "reduce_scatter, 256 KB": (A2A, PAIR),
     "all_reduce sum": ({"allreduce_": 1}, {"allreduce_": 1}),
     "all_reduce avg": ({"allreduce_": 1}, {"allreduce_": 1}),
     # an all_to_all and an all_gather; an all_to_all and a reduce-scatter
-    "all_reduce max": ({**PAIR, **AG}, {**PAIR, **RS}),
-    "all_reduce prod": ({**PAIR, **AG}, {**PAIR, **RS}),
-    "all_to_all even": (PAIR, PAIR),
-    "all_to_all, sizes given": (PAIR, PAIR),
-    "all_to_all, output sizes learned": ({"_allgather_base_": 1, **PAIR}, PAIR),
+    "all_reduce max": ({**A2A, **AG}, {**A2A, **RS}),
+    "all_reduce prod": ({**A2A, **AG}, {**A2A, **RS}),
+    "all_to_all even": (A2A, A2A),
+    "all_to_all, sizes given": (A2A, A2A),
+    "all_to_all, output sizes learned": ({"_allgather_base_": 1, **A2A}, A2A),
     "broadcast": ({"broadcast_": 1}, {"reduce_": 1}),
     "reduce": ({"reduce_": 1}, {"broadcast_": 1}),
     "gather, sizes given": ({"gather_": 1}, {"scatter_": 1}),
