@@ -69,7 +69,10 @@ def _every_op(rank: int, world: int) -> None:
         total.backward()
 
 
-def _ddp_with_clip_loss() -> None:
+def _ddp_with_clip_loss() -> torch.nn.Module:
+    """A few DDP steps with a distgrad loss; returns the DDP module, which the caller keeps
+    past ``destroy_process_group`` (its reducer then holds the group's last reference, the
+    case that hung at exit: docs/lifecycle.md)."""
     from torch.nn.parallel import DistributedDataParallel
 
     torch.manual_seed(0)
@@ -81,6 +84,7 @@ def _ddp_with_clip_loss() -> None:
         x = torch.randn(6, 8)
         criterion(encoder(x), encoder(F.dropout(x, 0.1))).backward()
         optimizer.step()
+    return encoder
 
 
 def main(ending: str) -> None:
@@ -104,7 +108,7 @@ def main(ending: str) -> None:
         dg.all_reduce(torch.ones(3))
         dg.all_gather(torch.ones(512, 512))
         time.sleep(30)
-    _ddp_with_clip_loss()
+    encoder = _ddp_with_clip_loss()  # freed when main returns, after any destroy below
     print("worked", rank, flush=True)
     if ending == "keyboard_interrupt":
         time.sleep(30)  # the ^C arrives by now if the calls were quicker
@@ -112,7 +116,9 @@ def main(ending: str) -> None:
         sys.exit(0)
     if ending == "destroy":
         dist.destroy_process_group()
-    faulthandler.cancel_dump_traceback_later()
+    # Kept armed through the interpreter's exit: a rank that hangs there prints its stacks.
+    faulthandler.dump_traceback_later(30, exit=True)
+    del encoder  # with "destroy", this frees the group itself (the reducer held it last)
 
 
 if __name__ == "__main__":
