@@ -51,7 +51,7 @@ from torch._C._distributed_c10d import (
 )
 
 from distgrad import _wait
-from distgrad._group import Group, settle_backend_threads
+from distgrad._group import Group, collectives_unsettled, note_collective, settle_backend_threads
 
 __all__ = [
     "Exchange",
@@ -179,22 +179,19 @@ def _run(
     all_gather + all_reduce forward and backward at (64, 128), 2 ranks), so the release is only
     made safe where it can fail, at exit (:func:`_settle_at_exit`).
     """
-    global _ran_any
-    _ran_any = True
+    note_collective()
     work = _start(start, *args, **kwargs)
     _finish(work, on, what, doing)
-
-
-_ran_any = False
 
 
 def _settle_at_exit() -> None:
     """Let the backend's threads finish releasing the last works while the interpreter can
     still give them the GIL (``_group.settle_backend_threads``): a thread that asks for it once
     finalising has begun is made to exit inside a C++ destructor ("terminate called without an
-    active exception"), and the process aborts. Only a process that ran a collective, or still
-    has a process group (DDP's works capture the same state), pays, once."""
-    if _ran_any or (dist.is_available() and dist.is_initialized()):
+    active exception"), and the process aborts. Only a process that ran a collective since the
+    last settle (``destroy_process_group`` settles), or still has a process group (DDP's works
+    capture the same state), pays, once."""
+    if collectives_unsettled() or (dist.is_available() and dist.is_initialized()):
         settle_backend_threads()
 
 

@@ -182,10 +182,24 @@ def settle_backend_threads() -> None:
     overloaded; 50 ms covers that, once per job (at the default group's destruction and at
     exit), not per call. A race this narrows but cannot close: the fix belongs in torch.
     """
+    global _unsettled
     time.sleep(_SETTLE_S)
+    _unsettled = False
+
+
+def note_collective() -> None:
+    """Record that distgrad started a collective (its work may outlive the call)."""
+    global _unsettled
+    _unsettled = True
+
+
+def collectives_unsettled() -> bool:
+    """Whether distgrad started a collective since the backend's threads were last settled."""
+    return _unsettled
 
 
 _SETTLE_S = 0.05
+_unsettled = False
 
 
 def _wrap_destroy() -> None:

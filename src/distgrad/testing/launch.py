@@ -382,9 +382,7 @@ def _wait_for_peers_to_join(spec: _RankSpec, store: Any, timeout: timedelta) -> 
     that hides the real one (and whose C++ log line lands first on stderr). No rank runs the
     function before all have joined; the wait goes through the store, not a collective.
     """
-    keys = [f"distgrad/joined/{rank}" for rank in range(spec.world_size)]
-    store.set(keys[spec.rank], "1")
-    store.wait(keys, timeout)
+    _store_barrier(spec, store, "joined", timeout)
 
 
 def _wait_for_peers_to_finish(spec: _RankSpec, store: Any) -> None:
@@ -396,11 +394,16 @@ def _wait_for_peers_to_finish(spec: _RankSpec, store: Any) -> None:
     the store, not a collective, and is short: a peer stuck in a collective this rank skipped
     must still fail soon, when this rank leaves, rather than wait for its timeout.
     """
-    keys = [f"distgrad/finished/{rank}" for rank in range(spec.world_size)]
-    store.set(keys[spec.rank], "1")
     # A timeout (DistStoreError) means a peer is still busy: leave anyway.
     with contextlib.suppress(Exception):
-        store.wait(keys, timedelta(seconds=_LEAVE_GRACE_S))
+        _store_barrier(spec, store, "finished", timedelta(seconds=_LEAVE_GRACE_S))
+
+
+def _store_barrier(spec: _RankSpec, store: Any, stage: str, timeout: timedelta) -> None:
+    """Say this rank reached ``stage`` and wait, at most ``timeout``, until every rank has."""
+    keys = [f"distgrad/{stage}/{rank}" for rank in range(spec.world_size)]
+    store.set(keys[spec.rank], "1")
+    store.wait(keys, timeout)
 
 
 def _leave(spec: _RankSpec, store: Any) -> None:
