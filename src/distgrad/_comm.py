@@ -24,6 +24,10 @@ Backend gaps handled here, once:
   ``dist.batch_isend_irecv`` cost about 250 us of Python per exchange and ``dist.all_reduce``
   about 24 us over ``pg.allreduce``, for checks distgrad has already made. NCCL keeps the
   wrappers (``batch_isend_irecv`` groups its pairs into one NCCL group call).
+* gloo moves CUDA tensors through host memory for some collectives and not at all for others
+  (point-to-point sends abort the process, some reduce ops are refused), so on gloo every
+  exchange of a CUDA tensor is staged here: copied to the host, exchanged there, copied back
+  (:func:`_staged_on_gloo`). gloo's own CUDA paths make the same copies.
 * gloo does not fail an operation already moving bytes when its peer's connection closes, so a
   plain wait could last the whole timeout after a peer died: every wait on gloo goes through
   ``distgrad._wait``, which names the dead peer within tens of milliseconds, and every failed
@@ -33,9 +37,10 @@ Backend gaps handled here, once:
 from __future__ import annotations
 
 import atexit
+import functools
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -234,6 +239,34 @@ def _trim_cat(padded: Tensor, sizes: Sequence[int]) -> Tensor:
     return torch.cat([blocks[i, :s] for i, s in enumerate(sizes)])
 
 
+def _on_host(group: Group, device: torch.device) -> bool:
+    """Whether a tensor on ``device`` is staged through host memory to cross ``group``."""
+    return group.pg is not None and not group.is_nccl and device.type != "cpu"
+
+
+_Exchange = TypeVar("_Exchange", bound=Callable[..., Any])
+
+
+def _staged_on_gloo(exchange: _Exchange) -> _Exchange:
+    """``exchange(x, ..., group)``, with a CUDA ``x`` on gloo copied to the host and the
+    result copied back to ``x``'s device.
+
+    Why: gloo takes CUDA tensors only in some collectives, by copying them to the host itself,
+    and its point-to-point sends hand the device pointer to the socket (the process aborts with
+    "writev: Bad address"). Staging every exchange here makes every op work, at the cost of
+    those same copies, and a host synchronisation (gloo's CUDA paths synchronise too).
+    """
+
+    @functools.wraps(exchange)
+    def staged(x: Tensor, *args: Any) -> Any:
+        if not _on_host(args[-1], x.device):
+            return exchange(x, *args)
+        out = exchange(x.cpu(), *args)
+        return None if out is None else out.to(x.device)
+
+    return cast(_Exchange, staged)
+
+
 # ---------------------------------------------------------------------------------------------
 # Point-to-point exchanges
 
@@ -245,17 +278,27 @@ class Exchange:
     dies during the exchange is an error naming it within tens of milliseconds.
     """
 
-    __slots__ = ("_group", "_largest", "_peers", "_works")
+    __slots__ = ("_group", "_landings", "_largest", "_peers", "_works")
 
-    def __init__(self, works: list[Any], peers: list[int], largest: int, group: Group) -> None:
+    def __init__(
+        self,
+        works: list[Any],
+        peers: list[int],
+        largest: int,
+        group: Group,
+        landings: Sequence[tuple[Tensor, Tensor]] = (),
+    ) -> None:
         self._works = works
         self._peers = peers
         self._largest = largest
         self._group = group
+        self._landings = landings  # (host buffer, its device target): staged receives
 
     def wait(self) -> None:
         if self._works:
             _wait.wait_pairs(self._works, self._peers, self._group, self._largest)
+        for host, target in self._landings:
+            target.copy_(host)
 
 
 def start_exchange(
@@ -266,6 +309,13 @@ def start_exchange(
     Sends are started first, in order, then receives."""
     pg = group.pg
     assert pg is not None
+    if any(_on_host(group, t.device) for t, _ in (*sends, *recvs)):  # see _staged_on_gloo
+        landings = [(torch.empty_like(t, device="cpu"), t) for t, _ in recvs]
+        host_sends = [(t.cpu(), peer) for t, peer in sends]
+        host_recvs = [(host, peer) for (host, _), (_, peer) in zip(landings, recvs, strict=True)]
+        staged = start_exchange(host_sends, host_recvs, group)
+        staged._landings = landings
+        return staged
     peers = [peer for _, peer in sends] + [peer for _, peer in recvs]
     largest = max((_nbytes(t) for t, _ in (*sends, *recvs)), default=0)
     if group.is_nccl:
@@ -342,6 +392,7 @@ def _exchange_by_pairs(sent: Sequence[Tensor], received: Sequence[Tensor], group
     start_exchange(sends, recvs, group).wait()
 
 
+@_staged_on_gloo
 def all_gather(x: Tensor, sizes: Sequence[int], group: Group) -> Tensor:
     """Concatenate every rank's ``x`` along dim 0; ``sizes[i]`` is rank i's row count."""
     if group.pg is None:
@@ -362,6 +413,7 @@ def all_gather(x: Tensor, sizes: Sequence[int], group: Group) -> Tensor:
     return _trim_cat(out, sizes)
 
 
+@_staged_on_gloo
 def reduce_scatter(x: Tensor, sizes: Sequence[int], group: Group) -> Tensor:
     """Sum ``x`` over ranks and return this rank's slice (``sizes[rank]`` rows) of the sum."""
     if group.pg is None:
@@ -381,6 +433,7 @@ def reduce_scatter(x: Tensor, sizes: Sequence[int], group: Group) -> Tensor:
     return slices.view(group.size, mine, *x.shape[1:]).sum(0)
 
 
+@_staged_on_gloo
 def all_to_all(
     x: Tensor, input_sizes: Sequence[int], output_sizes: Sequence[int], group: Group
 ) -> Tensor:
@@ -425,6 +478,7 @@ GLOO_ALL_TO_ALL_BELOW_BYTES = 32 * 1024 * 1024
 _ALL_TO_ALL_OPTIONS = AllToAllOptions()
 
 
+@_staged_on_gloo
 def permute(x: Tensor, perm: Sequence[int], recv_shape: Sequence[int], group: Group) -> Tensor:
     """Send ``x`` to group rank ``perm[rank]``; return what the rank that maps here sent."""
     if group.pg is None or perm[group.rank] == group.rank:
@@ -439,6 +493,7 @@ def permute(x: Tensor, perm: Sequence[int], recv_shape: Sequence[int], group: Gr
 # Collectives
 
 
+@_staged_on_gloo
 def all_reduce(x: Tensor, op: str, group: Group) -> Tensor:
     """Reduce ``x`` over ranks with ``op`` in sum, prod, max, min; every rank gets the result."""
     out = x.clone(memory_format=torch.contiguous_format)
@@ -451,6 +506,7 @@ def all_reduce(x: Tensor, op: str, group: Group) -> Tensor:
     return out
 
 
+@_staged_on_gloo
 def broadcast(x: Tensor, src: int, group: Group) -> Tensor:
     """Every rank gets group rank ``src``'s ``x`` (other ranks' values are not read)."""
     if group.pg is None:
@@ -476,6 +532,7 @@ def broadcast(x: Tensor, src: int, group: Group) -> Tensor:
     return out
 
 
+@_staged_on_gloo
 def reduce(x: Tensor, dst: int, group: Group) -> Tensor | None:
     """The sum of ``x`` over ranks on group rank ``dst``; None on the other ranks."""
     out = x.clone(memory_format=torch.contiguous_format)
@@ -498,6 +555,7 @@ def reduce(x: Tensor, dst: int, group: Group) -> Tensor | None:
     return out if group.rank == dst else None
 
 
+@_staged_on_gloo
 def gather(x: Tensor, sizes: Sequence[int], dst: int, group: Group) -> Tensor | None:
     """Rank ``dst`` gets every rank's ``x`` concatenated along dim 0; None elsewhere."""
     if group.pg is None:
@@ -537,6 +595,10 @@ def scatter(
     if group.pg is None:
         assert x is not None
         return x.clone()
+    if _on_host(group, device):  # see _staged_on_gloo
+        host = None if x is None else x.cpu()
+        cpu = torch.device("cpu")
+        return scatter(host, sizes, src, trailing, dtype, cpu, group).to(device)
     width = max(sizes)
     out = torch.empty((width, *trailing), dtype=dtype, device=device)
     chunks = None

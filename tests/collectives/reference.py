@@ -295,7 +295,9 @@ def check_case(
     )
     if in_place:
         out.mul_(2.0)
-    (out * vs[rank].to(device)).sum().backward()
+    # out.device, not device: a receiving rank of a scatter that passes no x gets its part on
+    # the group's default device (CPU for gloo, even with CUDA tensors elsewhere).
+    (out * vs[rank].to(out.device)).sum().backward()
     if not passes_none:
         got = (x.grad if x.grad is not None else torch.zeros_like(x)).cpu()
         want = grads[rank] * (2.0 if in_place else 1.0)

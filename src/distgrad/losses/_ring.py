@@ -84,9 +84,10 @@ def _chunk_logits(a: Tensor, k: Tensor, scale: Tensor, bias: Tensor) -> tuple[Te
 
 
 def _mask_diagonal(logits: Tensor, start: int) -> None:
-    """Drop anchor i against own key i (global column ``start + c`` of this chunk), in place."""
-    rows = torch.arange(start, min(start + logits.shape[1], logits.shape[0]))
-    logits[rows, rows - start] = float("-inf")
+    """Drop anchor i against own key i (global column ``start + c`` of this chunk), in place:
+    the entries ``(start + c, c)``, a diagonal. (Indexing them would copy a host index tensor
+    to the device, a host synchronisation on CUDA.)"""
+    logits.diagonal(offset=-start).fill_(float("-inf"))
 
 
 def _forward_block(a: Tensor, k: Tensor, s: Tensor, bias: Tensor, plan: _Plan, own: bool) -> Tensor:

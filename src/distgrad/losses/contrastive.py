@@ -121,8 +121,13 @@ def _unit(x: Tensor, normalize: bool) -> Tensor:
 
 
 def _scalar(value: Scalar, like: Tensor) -> Tensor:
-    """``value`` as a 0-dim tensor of ``like``'s dtype (keeping its autograd history)."""
-    return torch.as_tensor(value, dtype=like.dtype, device=like.device).reshape(())
+    """``value`` as a 0-dim tensor of ``like``'s dtype (keeping its autograd history).
+
+    A Python number is filled in on the device: ``torch.as_tensor`` would copy it there from
+    pageable host memory, a host synchronisation on CUDA at every call (seen on an H200)."""
+    if isinstance(value, Tensor):
+        return value.to(dtype=like.dtype, device=like.device).reshape(())
+    return torch.full((), value, dtype=like.dtype, device=like.device)
 
 
 def info_nce(
@@ -268,8 +273,9 @@ def siglip_loss(
         offset, total = sum(rows[: g.rank]), sum(rows)
         logits = s * x @ all_y.T + b  # [B_l, B]
         signs = -torch.ones_like(logits)
-        mine = torch.arange(len(x), device=x.device)
-        signs[mine, mine + offset] = 1.0
+        # The positives (i, offset + i), a diagonal: filled in place, with no index tensor and
+        # no scalar copied from the host (a host synchronisation on CUDA).
+        signs.diagonal(offset=offset).fill_(1.0)
         return global_mean(-F.logsigmoid(signs * logits).sum(), total, g)
 
 
