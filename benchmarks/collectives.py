@@ -14,7 +14,10 @@ rank's, from a barrier until its outputs are readable. Variants:
   all_gather, reduce-scatter and all_to_all as concurrent point-to-point pairs above 256 KB
   per rank, and gloo's collectives below.
 * distgrad: this library past the calls it checks across ranks (the first 8 on a group), with
-  its sizes given where an op takes them: its training-loop path, which sends nothing but data.
+  its sizes given where an op takes them: its training-loop path, which sends nothing but data
+  (and the data guard's few tag elements, on by default: ``distgrad._guard``).
+* distgrad, no guard: the same with the data guard off (``dg.set_guard(False)``): what the
+  guard costs is the ratio of the two columns.
 * torch.distributed.nn: the deprecated differentiable collectives, where one exists.
 * funcol: ``torch.distributed._functional_collectives``'s autograd variants, where one exists.
 * distgrad compiled, funcol compiled: the op (forward and its backward) under
@@ -24,8 +27,8 @@ Every cell is a paired ratio: the median over rounds of the variant's time over 
 faster of torch and the floor in the same round. The calling thread's CPU time per
 forward+backward (the slower rank's) is kept for distgrad and torch.
 
-Run: ``python benchmarks/collectives.py [--world-sizes 2,4,8] [--runs 3] [--quick]``; writes
-``benchmarks/results/collectives.md``.
+Run: ``python benchmarks/collectives.py [--world-sizes 2,4,8] [--runs 3] [--quick] [--ops a,b]``;
+writes ``benchmarks/results/collectives.md`` (or ``--output``).
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ VARIANTS = [
     "torch",
     "floor",
     "distgrad",
+    "distgrad, no guard",
     "torch.distributed.nn",
     "funcol",
     "distgrad compiled",
@@ -306,6 +310,9 @@ def _variants(op: str, n: int, compiled: bool) -> dict[str, Step]:
     for name, fn in found.items():
         if fn is not None:
             steps[name] = autograd(fn)
+    unguarded = found["distgrad"]
+    if unguarded is not None:
+        steps["distgrad, no guard"] = _without_guard(autograd(unguarded))
     if compiled and found["funcol"] is not None:  # compared where funcol has the op
         for name in ("distgrad", "funcol"):
             fn = found[name]
@@ -315,6 +322,19 @@ def _variants(op: str, n: int, compiled: bool) -> dict[str, Step]:
                 compiled_fn = torch.compile(fn, fullgraph=True, dynamic=False)
                 steps[f"{name} compiled"] = autograd(compiled_fn)
     return steps
+
+
+def _without_guard(step: Step) -> Step:
+    """``step`` with distgrad's data guard off (forward and backward), on again after."""
+
+    def unguarded(x: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        dg.set_guard(False)
+        try:
+            return step(x, v)
+        finally:
+            dg.set_guard(True)
+
+    return unguarded
 
 
 def _read(t: torch.Tensor) -> None:
@@ -347,7 +367,9 @@ def _timed(step: Step, x: torch.Tensor, v: torch.Tensor) -> tuple[float, float]:
     return float(taken[0]), float(taken[1])
 
 
-def _bench(rank: int, world_size: int, quick: bool, compiled: bool) -> dict[str, Any]:
+def _bench(
+    rank: int, world_size: int, quick: bool, compiled: bool, ops: list[str]
+) -> dict[str, Any]:
     warnings.filterwarnings("ignore")  # torch.distributed.nn and old names warn on every call
     torch._inductor.config.compile_threads = 1  # many ranks on few cores
     for _ in range(CHECKED_CALLS):  # past the calls distgrad checks across ranks
@@ -355,7 +377,7 @@ def _bench(rank: int, world_size: int, quick: bool, compiled: bool) -> dict[str,
     results: dict[str, Any] = {}
     for size, rows in SIZES.items():
         rounds = 3 if quick else ROUNDS[size]
-        for op in OPS:
+        for op in ops:
             x = _input(op, rows, rank)
             v = _cotangent(op, rows, world_size)
             variants = _variants(op, world_size, compiled)
@@ -391,13 +413,17 @@ def _bench(rank: int, world_size: int, quick: bool, compiled: bool) -> dict[str,
 # Report
 
 
+def _ops_in(results: dict[str, Any]) -> list[str]:
+    return [op for op in OPS if any(key.startswith(f"{op} ") for key in results)]
+
+
 def _run_table(results: dict[str, Any]) -> list[str]:
     names = VARIANTS
     lines = [
         "| op, size per rank | " + " | ".join(names) + " | CPU: distgrad / torch |",
         "|---" * (len(names) + 2) + "|",
     ]
-    for op in OPS:
+    for op in _ops_in(results):
         for size in SIZES:
             row = results[f"{op} {size}"]
             cells = [
@@ -418,7 +444,7 @@ def _summary(runs: list[dict[str, Any]]) -> list[str]:
         "| op, size per rank | " + " | ".join(names) + " |",
         "|---" * (len(names) + 1) + "|",
     ]
-    for op in OPS:
+    for op in _ops_in(runs[0]):
         for size in SIZES:
             cells = []
             for name in names:
@@ -446,7 +472,7 @@ def _growth(by_world: dict[int, list[dict[str, Any]]]) -> list[str]:
     def median(w: int, key: str, name: str, field: str) -> float:
         return statistics.median(r[key][name][field] for r in by_world[w])
 
-    for op in OPS:
+    for op in _ops_in(by_world[worlds[0]][0]):
         for size in SIZES:
             key = f"{op} {size}"
             cells = [
@@ -465,8 +491,10 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3, help="independent runs (fresh processes)")
     parser.add_argument("--quick", action="store_true", help="3 rounds, 1 run: a smoke test")
     parser.add_argument("--no-compile", action="store_true", help="leave out compiled variants")
+    parser.add_argument("--ops", default=",".join(OPS), help="comma-separated (default: all 9)")
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args()
+    ops = [op for op in OPS if op in args.ops.split(",")]
     worlds = [int(w) for w in args.world_sizes.split(",")]
     for world in worlds:
         if min(SIZES.values()) % world:
@@ -482,7 +510,7 @@ def main() -> None:
             results = run_on_ranks(
                 _bench,
                 world,
-                args=(args.quick, not args.no_compile),
+                args=(args.quick, not args.no_compile, ops),
                 timeout=3600,
                 collective_timeout=900,
             )[0]
@@ -495,7 +523,7 @@ def main() -> None:
                 *_run_table(results),
                 "",
             ]
-            print("\n".join(sections[-len(OPS) * len(SIZES) - 5 :]), flush=True)
+            print("\n".join(sections[-len(ops) * len(SIZES) - 5 :]), flush=True)
     took = time.perf_counter() - started
     cores = os.cpu_count()
     body = [
@@ -504,7 +532,8 @@ def main() -> None:
         f"Measured {datetime.date.today()} on {platform.machine()} with {cores} cores, "
         f"torch {torch.__version__}, by `python benchmarks/collectives.py --world-sizes "
         f"{args.world_sizes}{' --quick' if args.quick else ''}"
-        f"{' --no-compile' if args.no_compile else ''}` ({runs} independent run(s) per world "
+        f"{' --no-compile' if args.no_compile else ''}"
+        f"{'' if ops == OPS else ' --ops ' + ','.join(ops)}` ({runs} independent run(s) per world "
         f"size in fresh processes, {took:.0f} s). Rounds per run: "
         + ", ".join(f"{ROUNDS[s] if not args.quick else 3} at {s}" for s in SIZES)
         + ". Each cell is the median time and, in brackets, the median over rounds of the "

@@ -7,6 +7,7 @@ The objective every gradient refers to is the sum over ranks of what each rank b
 from __future__ import annotations
 
 from distgrad import errors, losses, parallel, rpc, testing
+from distgrad._guard import set_guard
 from distgrad._meta import set_debug
 from distgrad.collectives import (
     all_gather,
@@ -35,6 +36,7 @@ __all__ = [
     "rpc",
     "scatter",
     "set_debug",
+    "set_guard",
     "testing",
 ]
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
@@ -55,7 +56,7 @@ from torch._C._distributed_c10d import (
     ScatterOptions,
 )
 
-from distgrad import _wait
+from distgrad import _guard, _wait
 from distgrad._group import Group, collectives_unsettled, note_collective, settle_backend_threads
 
 __all__ = [
@@ -397,6 +398,27 @@ def all_gather(x: Tensor, sizes: Sequence[int], group: Group) -> Tensor:
     """Concatenate every rank's ``x`` along dim 0; ``sizes[i]`` is rank i's row count."""
     if group.pg is None:
         return x.clone()
+    if not _guard.enabled():
+        return _all_gather(x, sizes, group)
+    # Guarded (distgrad._guard): each rank's rows travel as bytes followed by its 8-byte tag,
+    # gathered as byte pieces of sizes[i] * row + 8, and compacted after the tags are read.
+    tag = _guard.byte_tag(group, "all_gather", x.dtype, x.shape[1:], f"sizes={list(sizes)}")
+    row = _nbytes(x[:1]) if x.shape[0] else math.prod(x.shape[1:]) * x.element_size()
+    mine = torch.cat([_bytes(x), _guard.tag_tensor(tag, torch.uint8, x.device)])
+    pieces = [s * row + _guard.BYTES for s in sizes]
+    blocks = torch.split(_all_gather(mine, pieces, group), pieces)
+    _guard.check_bytes(torch.stack([b[-_guard.BYTES :] for b in blocks]), tag, group)
+    data = torch.cat([b[: -_guard.BYTES] for b in blocks])
+    return data.view(x.dtype).view(sum(sizes), *x.shape[1:])
+
+
+def _bytes(x: Tensor) -> Tensor:
+    """``x``'s bytes, flat (a view when ``x`` is contiguous)."""
+    return x.contiguous().view(-1).view(torch.uint8)
+
+
+def _all_gather(x: Tensor, sizes: Sequence[int], group: Group) -> Tensor:
+    assert group.pg is not None
     if not group.is_nccl:
         out = x.new_empty((sum(sizes), *x.shape[1:]))
         mine = x.contiguous()
@@ -496,14 +518,31 @@ def permute(x: Tensor, perm: Sequence[int], recv_shape: Sequence[int], group: Gr
 @_staged_on_gloo
 def all_reduce(x: Tensor, op: str, group: Group) -> Tensor:
     """Reduce ``x`` over ranks with ``op`` in sum, prod, max, min; every rank gets the result."""
-    out = x.clone(memory_format=torch.contiguous_format)
     if group.pg is None:
-        return out
+        return x.clone(memory_format=torch.contiguous_format)
+    tag = _guard.reduced_tag(group, "all_reduce", x, op)
+    out, tail = _with_tail(x, tag)
     if group.is_nccl or out.is_complex():  # torch's wrapper says which ops take complex
         _run(group, dist.all_reduce, out, op=_TORCH_OPS[op], group=group.pg, async_op=True)
     else:
         _run(group, group.pg.allreduce, [out], _ALL_REDUCE_OPTIONS[op])
-    return out
+    if tag is None:
+        return out
+    _guard.check_reduced(out[tail:], tag, group, op, group.size)
+    return out[:tail].view(x.shape)
+
+
+def _with_tail(x: Tensor, tag: _guard.Tag | None) -> tuple[Tensor, int]:
+    """A fresh contiguous copy of ``x`` to reduce in place: ``x`` itself when unguarded, else
+    flat with ``tag``'s values after ``x``'s (at index ``x.numel()``, returned). The same one
+    copy either way, so the guard costs the tag's few elements."""
+    if tag is None:
+        return x.clone(memory_format=torch.contiguous_format), 0
+    n = x.numel()
+    out = x.new_empty(n + len(tag.values))
+    out[:n].view(x.shape).copy_(x)
+    out[n:].copy_(_guard.tag_tensor(tag, x.dtype, x.device))
+    return out, n
 
 
 @_staged_on_gloo
@@ -511,11 +550,32 @@ def broadcast(x: Tensor, src: int, group: Group) -> Tensor:
     """Every rank gets group rank ``src``'s ``x`` (other ranks' values are not read)."""
     if group.pg is None:
         return x.clone()
-    out = (
-        x.clone(memory_format=torch.contiguous_format)
-        if group.rank == src
-        else torch.empty_like(x, memory_format=torch.contiguous_format)
-    )
+    if not _guard.enabled():
+        out = (
+            x.clone(memory_format=torch.contiguous_format)
+            if group.rank == src
+            else torch.empty_like(x, memory_format=torch.contiguous_format)
+        )
+        _broadcast(out, src, group)
+        return out
+    # Guarded: the source's bytes and its tag in one buffer (the copy the source makes anyway);
+    # a receiver's tag bytes start as zeros, which no tag is, so bytes not written mismatch.
+    tag = _guard.byte_tag(group, "broadcast", x.dtype, x.shape, f"src={src}")
+    n = _nbytes(x)
+    buf = torch.empty(n + _guard.BYTES, dtype=torch.uint8, device=x.device)
+    if group.rank == src:
+        buf[:n].copy_(_bytes(x))
+        buf[n:].copy_(_guard.tag_tensor(tag, torch.uint8, x.device))
+    else:
+        buf[n:].zero_()
+    _broadcast(buf, src, group)
+    if group.rank != src:
+        _guard.check_bytes(buf[n:], tag, group)
+    return buf[:n].view(x.dtype).view(x.shape)
+
+
+def _broadcast(out: Tensor, src: int, group: Group) -> None:
+    assert group.pg is not None
     if group.is_nccl:
         _run(
             group,
@@ -529,15 +589,15 @@ def broadcast(x: Tensor, src: int, group: Group) -> Tensor:
         opts = _options(BroadcastOptions, rootRank=src, rootTensor=0)
         moved = _real(out)
         _run(group, group.pg.broadcast, [moved], opts)
-    return out
 
 
 @_staged_on_gloo
 def reduce(x: Tensor, dst: int, group: Group) -> Tensor | None:
     """The sum of ``x`` over ranks on group rank ``dst``; None on the other ranks."""
-    out = x.clone(memory_format=torch.contiguous_format)
     if group.pg is None:
-        return out
+        return x.clone(memory_format=torch.contiguous_format)
+    tag = None if x.is_complex() else _guard.reduced_tag(group, "reduce", x, "sum", f", dst={dst}")
+    out, tail = _with_tail(x, tag)
     if group.is_nccl:
         _run(
             group,
@@ -552,7 +612,12 @@ def reduce(x: Tensor, dst: int, group: Group) -> Tensor | None:
         opts = _options(ReduceOptions, rootRank=dst, rootTensor=0, reduceOp=dist.ReduceOp.SUM)
         moved = _real(out)  # a complex sum is the sum of its parts
         _run(group, group.pg.reduce, [moved], opts)
-    return out if group.rank == dst else None
+    if group.rank != dst:
+        return None
+    if tag is None:
+        return out
+    _guard.check_reduced(out[tail:], tag, group, "sum", group.size)
+    return out[:tail].view(x.shape)
 
 
 @_staged_on_gloo

@@ -25,6 +25,7 @@ PUBLIC = [
     "rpc",
     "scatter",
     "set_debug",
+    "set_guard",
     "testing",
 ]
 
