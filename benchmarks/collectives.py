@@ -406,6 +406,14 @@ def _bench(
                 }
                 for name, times in wall.items()
             }
+            # The guard's cost, paired directly: distgrad over distgrad without it, per round.
+            guarded, bare = wall["distgrad"], wall["distgrad, no guard"]
+            results[f"{op} {size}"]["guard"] = {
+                "ratio": statistics.median(g / b for g, b in zip(guarded, bare, strict=True)),
+                "cpu": statistics.median(
+                    g / b for g, b in zip(cpu["distgrad"], cpu["distgrad, no guard"], strict=True)
+                ),
+            }
     return results
 
 
@@ -457,6 +465,26 @@ def _summary(runs: list[dict[str, Any]]) -> list[str]:
                 span = f" ({min(ratios):.2f}-{max(ratios):.2f})" if len(ratios) > 1 else ""
                 cells.append(f"{statistics.median(ratios):.2f}x{span}")
             lines.append(f"| {op} {size} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _guard_table(by_world: dict[int, list[dict[str, Any]]]) -> list[str]:
+    worlds = sorted(by_world)
+    lines = [
+        "| op, size per rank | " + " | ".join(f"{w} ranks: wall, CPU" for w in worlds) + " |",
+        "|---" * (len(worlds) + 1) + "|",
+    ]
+
+    def cell(w: int, key: str) -> str:
+        walls = [r[key]["guard"]["ratio"] for r in by_world[w]]
+        cpus = [r[key]["guard"]["cpu"] for r in by_world[w]]
+        span = f" ({min(walls):.2f}-{max(walls):.2f})" if len(walls) > 1 else ""
+        return f"{statistics.median(walls):.3f}x{span}, {statistics.median(cpus):.3f}x"
+
+    for op in _ops_in(by_world[worlds[0]][0]):
+        for size in SIZES:
+            key = f"{op} {size}"
+            lines.append(f"| {key} | " + " | ".join(cell(w, key) for w in worlds) + " |")
     return lines
 
 
@@ -553,6 +581,13 @@ def main() -> None:
             "",
         ]
     body += [
+        "## The data guard's cost: distgrad's time over its time with the guard off",
+        "",
+        "Paired per round (the two run in the same round), median over rounds, then the median"
+        " (range) over the runs; wall time, then the calling thread's CPU time.",
+        "",
+        *_guard_table(by_world),
+        "",
         "## Growth with the ranks: distgrad's median time (torch's), and CPU per call",
         "",
         *_growth(by_world),

@@ -407,7 +407,7 @@ def all_gather(x: Tensor, sizes: Sequence[int], group: Group) -> Tensor:
     mine = torch.cat([_bytes(x), _guard.tag_tensor(tag, torch.uint8, x.device)])
     pieces = [s * row + _guard.BYTES for s in sizes]
     blocks = torch.split(_all_gather(mine, pieces, group), pieces)
-    _guard.check_bytes(torch.stack([b[-_guard.BYTES :] for b in blocks]), tag, group)
+    _guard.check(torch.stack([b[-_guard.BYTES :] for b in blocks]), tag, group)
     data = torch.cat([b[: -_guard.BYTES] for b in blocks])
     return data.view(x.dtype).view(sum(sizes), *x.shape[1:])
 
@@ -528,8 +528,18 @@ def all_reduce(x: Tensor, op: str, group: Group) -> Tensor:
         _run(group, group.pg.allreduce, [out], _ALL_REDUCE_OPTIONS[op])
     if tag is None:
         return out
-    _guard.check_reduced(out[tail:], tag, group, op, group.size)
-    return out[:tail].view(x.shape)
+    _guard.check(out[tail:], tag, group, group.size)
+    return _leading(out, x.shape)
+
+
+def _leading(flat: Tensor, shape: Sequence[int]) -> Tensor:
+    """The first entries of the flat, contiguous ``flat`` as a tensor of ``shape``: the data
+    before a guard's tag (``as_strided``: 1.5 us where slicing and ``view`` take 6-9 us)."""
+    strides, stride = [], 1
+    for size in reversed(shape):
+        strides.append(stride)
+        stride *= max(size, 1)
+    return flat.as_strided(tuple(shape), strides[::-1])
 
 
 def _with_tail(x: Tensor, tag: _guard.Tag | None) -> tuple[Tensor, int]:
@@ -538,11 +548,7 @@ def _with_tail(x: Tensor, tag: _guard.Tag | None) -> tuple[Tensor, int]:
     copy either way, so the guard costs the tag's few elements."""
     if tag is None:
         return x.clone(memory_format=torch.contiguous_format), 0
-    n = x.numel()
-    out = x.new_empty(n + len(tag.values))
-    out[:n].view(x.shape).copy_(x)
-    out[n:].copy_(_guard.tag_tensor(tag, x.dtype, x.device))
-    return out, n
+    return torch.cat([x.reshape(-1), _guard.tag_tensor(tag, x.dtype, x.device)]), x.numel()
 
 
 @_staged_on_gloo
@@ -570,7 +576,7 @@ def broadcast(x: Tensor, src: int, group: Group) -> Tensor:
         buf[n:].zero_()
     _broadcast(buf, src, group)
     if group.rank != src:
-        _guard.check_bytes(buf[n:], tag, group)
+        _guard.check(buf[n:], tag, group)
     return buf[:n].view(x.dtype).view(x.shape)
 
 
@@ -616,8 +622,8 @@ def reduce(x: Tensor, dst: int, group: Group) -> Tensor | None:
         return None
     if tag is None:
         return out
-    _guard.check_reduced(out[tail:], tag, group, "sum", group.size)
-    return out[:tail].view(x.shape)
+    _guard.check(out[tail:], tag, group, group.size)
+    return _leading(out, x.shape)
 
 
 @_staged_on_gloo
