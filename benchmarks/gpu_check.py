@@ -49,7 +49,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 import distgrad as dg
-from distgrad.errors import RankFailedError
+from distgrad import _comm, _guard
+from distgrad._group import resolve
+from distgrad.errors import CollectiveMismatchError, RankFailedError
 from distgrad.testing import run_on_ranks
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for tests.collectives.reference
@@ -57,7 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for tests.col
 from tests.collectives.reference import cases, check_case, edge_cases, replicated_cases, warm_up
 
 RESULTS = Path(__file__).parent / "results"
-PARTS = ("gradients", "losses", "sync", "compile", "memory", "timing")
+PARTS = ("gradients", "losses", "sync", "guard", "compile", "memory", "timing")
 OPS = (
     "all_gather",
     "reduce_scatter",
@@ -715,6 +717,90 @@ def _peak(
     return found
 
 
+def _guard_rows(rank: int, n: int, device: str) -> list[tuple[str, str]]:
+    """The data guard (distgrad._guard) on this device: guarded exchanges of every kind under
+    the strictest sync debug mode, then a mismatched tag, which on CUDA must be raised at the
+    next guarded call and not before (no host synchronisation), and on CPU at once."""
+    where = _bind(rank, device)
+    group = resolve(None, "gpu_check")
+    x = _leaf(rank, where, torch.float32, 3).detach()
+    watch = where.type == "cuda"
+    rows = []
+    strict = "error" if watch else "default"
+
+    def exchanges() -> None:
+        for op in ("sum", "max", "min"):
+            _comm.all_reduce(x, op, group)
+        _comm.reduce(x, 0, group)
+        _comm.broadcast(x, 0, group)
+        _comm.all_gather(x, [x.shape[0]] * n, group)
+
+    exchanges()  # warm: the tag tensors are made (and copied to the device) once
+    try:
+        if watch:
+            torch.cuda.set_sync_debug_mode(strict)
+        exchanges()
+        if watch:
+            torch.cuda.synchronize()
+        _guard.raise_pending(group)
+        rows.append(("matching calls: no synchronisation, no false alarm", "pass"))
+    except RuntimeError as exc:
+        rows.append(("matching calls: no synchronisation, no false alarm", f"FAIL: {_short(exc)}"))
+    finally:
+        if watch:
+            torch.cuda.set_sync_debug_mode("default")
+    tag = _guard.reduced_tag(group, "all_reduce", x, "sum")
+    assert tag is not None
+    wrong = _guard.tag_tensor(tag, x.dtype, where) * (n + 1)  # no group of n sums to this
+    name = "a mismatched tag: raised at the next guarded call (CUDA) or at once (CPU)"
+    try:
+        if watch:
+            torch.cuda.set_sync_debug_mode(strict)
+        _guard.check(wrong, tag, group, n)
+        if not watch:
+            rows.append((name, "FAIL: a CPU check returned on a mismatched tag"))
+            return rows
+        torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()  # the verdict has landed; the next guarded call reads it
+        _comm.all_reduce(x, "sum", group)
+        rows.append((name, "FAIL: the next guarded call did not raise"))
+    except CollectiveMismatchError as exc:
+        late = "earlier exchange" in str(exc)
+        ok = late == watch
+        rows.append((name, ("pass" if ok else "FAIL: raised at the wrong time") + f": {exc}"[:160]))
+    except RuntimeError as exc:
+        rows.append((name, f"FAIL: {_short(exc)}"))
+    finally:
+        if watch:
+            torch.cuda.set_sync_debug_mode("default")
+    return rows
+
+
+def part_guard(device: str, gpus: int) -> Section:
+    section = Section(
+        "guard",
+        'The data guard (docs/semantics.md, "The data guard"): guarded all_reduce (sum, max, '
+        "min), reduce, broadcast and all_gather exchanges of distgrad._comm under "
+        '`torch.cuda.set_sync_debug_mode("error")`, with no false alarm; then a mismatched tag: '
+        "on CUDA it must be queued without a host synchronisation and raised as the next "
+        "guarded call on the group begins, on CPU at once. The first setup only (on one GPU, "
+        "NCCL at world size 1: the tags are checked though nothing crosses a link).",
+        ("setup", "check", "result"),
+    )
+    setup = setups(device, gpus)[0]
+    try:
+        per_rank = run_on_ranks(
+            _guard_rows, setup.world_size, args=(setup.device,), backend=setup.backend,
+            timeout=120, collective_timeout=30,
+        )  # fmt: skip
+    except RankFailedError as exc:
+        section.rows.append((setup.label, "every check", _failure(exc, setup)))
+        return section
+    for name, result in per_rank[0]:
+        section.rows.append((setup.label, name, result))
+    return section
+
+
 def part_memory(device: str, gpus: int) -> Section:
     batches, dim = ([16384, 32768], 512) if device == "cuda" else ([256, 512], 32)
     section = Section(
@@ -963,6 +1049,7 @@ RUNNERS: dict[str, Callable[[str, int], Section]] = {
     "gradients": part_gradients,
     "losses": part_losses,
     "sync": part_sync,
+    "guard": part_guard,
     "compile": part_compile,
     "memory": part_memory,
     "timing": part_timing,

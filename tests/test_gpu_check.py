@@ -22,7 +22,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
-PARTS = ("gradients", "losses", "sync", "compile", "memory", "timing")
+PARTS = ("gradients", "losses", "sync", "guard", "compile", "memory", "timing")
 
 
 def _script() -> ModuleType:
@@ -64,7 +64,7 @@ def test_cpu_mode_runs_every_part_and_labels_its_file_as_cpu(tmp_path: Path) -> 
     assert "**CPU MODE.**" in text
     sections = _sections(text)
     assert list(sections) == list(PARTS)
-    for part in ("gradients", "losses", "compile"):
+    for part in ("gradients", "losses", "guard", "compile"):
         results = _results(sections[part])
         assert results and all(r.startswith("pass") for r in results), (part, results)
     # The sweep covers every op, both dtypes; the losses every function and module.
