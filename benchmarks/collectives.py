@@ -14,10 +14,9 @@ rank's, from a barrier until its outputs are readable. Variants:
   all_gather, reduce-scatter and all_to_all as concurrent point-to-point pairs above 256 KB
   per rank, and gloo's collectives below.
 * distgrad: this library past the calls it checks across ranks (the first 8 on a group), with
-  its sizes given where an op takes them: its training-loop path, which sends nothing but data
-  (and the data guard's few tag elements, on by default: ``distgrad._guard``).
-* distgrad, no guard: the same with the data guard off (``dg.set_guard(False)``): what the
-  guard costs is the ratio of the two columns.
+  its sizes given where an op takes them: its training-loop path, which sends nothing but data.
+* distgrad + guard: the same with the data guard on (``dg.set_guard(True)``, off by default):
+  what the guard costs is the ratio of the two columns (its own table, paired per round).
 * torch.distributed.nn: the deprecated differentiable collectives, where one exists.
 * funcol: ``torch.distributed._functional_collectives``'s autograd variants, where one exists.
 * distgrad compiled, funcol compiled: the op (forward and its backward) under
@@ -75,7 +74,7 @@ VARIANTS = [
     "torch",
     "floor",
     "distgrad",
-    "distgrad, no guard",
+    "distgrad + guard",
     "torch.distributed.nn",
     "funcol",
     "distgrad compiled",
@@ -310,9 +309,9 @@ def _variants(op: str, n: int, compiled: bool) -> dict[str, Step]:
     for name, fn in found.items():
         if fn is not None:
             steps[name] = autograd(fn)
-    unguarded = found["distgrad"]
-    if unguarded is not None:
-        steps["distgrad, no guard"] = _without_guard(autograd(unguarded))
+    plain = found["distgrad"]
+    if plain is not None:
+        steps["distgrad + guard"] = _with_guard(autograd(plain))
     if compiled and found["funcol"] is not None:  # compared where funcol has the op
         for name in ("distgrad", "funcol"):
             fn = found[name]
@@ -324,17 +323,17 @@ def _variants(op: str, n: int, compiled: bool) -> dict[str, Step]:
     return steps
 
 
-def _without_guard(step: Step) -> Step:
-    """``step`` with distgrad's data guard off (forward and backward), on again after."""
+def _with_guard(step: Step) -> Step:
+    """``step`` with distgrad's data guard on (forward and backward), off again after."""
 
-    def unguarded(x: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        dg.set_guard(False)
+    def guarded(x: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        dg.set_guard(True)
         try:
             return step(x, v)
         finally:
-            dg.set_guard(True)
+            dg.set_guard(False)
 
-    return unguarded
+    return guarded
 
 
 def _read(t: torch.Tensor) -> None:
@@ -406,12 +405,12 @@ def _bench(
                 }
                 for name, times in wall.items()
             }
-            # The guard's cost, paired directly: distgrad over distgrad without it, per round.
-            guarded, bare = wall["distgrad"], wall["distgrad, no guard"]
+            # The guard's cost, paired directly: distgrad with it over distgrad, per round.
+            guarded, bare = wall["distgrad + guard"], wall["distgrad"]
             results[f"{op} {size}"]["guard"] = {
                 "ratio": statistics.median(g / b for g, b in zip(guarded, bare, strict=True)),
                 "cpu": statistics.median(
-                    g / b for g, b in zip(cpu["distgrad"], cpu["distgrad, no guard"], strict=True)
+                    g / b for g, b in zip(cpu["distgrad + guard"], cpu["distgrad"], strict=True)
                 ),
             }
     return results
@@ -581,7 +580,7 @@ def main() -> None:
             "",
         ]
     body += [
-        "## The data guard's cost: distgrad's time over its time with the guard off",
+        "## The data guard's cost: distgrad's time with the guard over its time without",
         "",
         "Paired per round (the two run in the same round), median over rounds, then the median"
         " (range) over the runs; wall time, then the calling thread's CPU time.",

@@ -722,6 +722,7 @@ def _guard_rows(rank: int, n: int, device: str) -> list[tuple[str, str]]:
     the strictest sync debug mode, then a mismatched tag, which on CUDA must be raised at the
     next guarded call and not before (no host synchronisation), and on CPU at once."""
     where = _bind(rank, device)
+    dg.set_guard(True)  # opt-in
     group = resolve(None, "gpu_check")
     x = _leaf(rank, where, torch.float32, 3).detach()
     watch = where.type == "cuda"

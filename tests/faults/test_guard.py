@@ -1,9 +1,11 @@
-"""The data guard (distgrad._guard): mismatches past the checked calls that moved the same
-number of bytes, and so were silently wrong, are now a CollectiveMismatchError, with no extra
-message. Two gloo ranks make 9 matching calls (past the 8 checked ones), then one mismatched
-call; the semantics asserted: every rank that reads a mismatched tag raises the named error
-(every rank for a reduction and all_gather; the receivers for broadcast; the destination for
-reduce), and the group stays usable, since every rank's exchange completed.
+"""The data guard (distgrad._guard, opt-in: dg.set_guard(True) or DISTGRAD_GUARD=1).
+
+Mismatches past the checked calls that move the same number of bytes, silently wrong without
+the guard, are a CollectiveMismatchError with it, with no extra message. Two gloo ranks make 9
+matching calls (past the 8 checked ones), then one mismatched call; the semantics asserted:
+every rank that reads a mismatched tag raises the named error (every rank for a reduction and
+all_gather; the receivers for broadcast; the destination for reduce), and the group stays
+usable, since every rank's exchange completed.
 """
 
 from __future__ import annotations
@@ -111,6 +113,7 @@ def test_without_the_guard_the_same_mismatch_is_silently_wrong(case: str) -> Non
 def _many_guarded_calls(rank: int, world_size: int) -> int:
     """Matching calls never trip the guard: every reduce op the guard rides on, dtypes whose
     sums it trusts, large values in the data beside the tag, on 4 ranks."""
+    dg.set_guard(True)
     calls = 0
     for step in range(30):
         for dtype in (torch.float32, torch.float64, torch.int32, torch.int64):
@@ -130,6 +133,7 @@ def test_matching_calls_never_trip_the_guard_on_four_ranks() -> None:
 
 
 def _one_rank_differs(rank: int, world_size: int) -> str:
+    dg.set_guard(True)
     for _ in range(CHECKED_CALLS + 1):
         dg.all_reduce(torch.ones(2))
     try:

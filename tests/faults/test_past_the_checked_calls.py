@@ -2,10 +2,10 @@
 docs/semantics.md ("What a mistake does after the checked calls") measured.
 
 Two gloo ranks make 9 matching calls (past the 8 checked ones), then one mismatched call. The
-outcome asserted is what the table says happens today with the data guard on (its default): the
-process of one rank aborted by gloo (SIGABRT), a silently wrong result, or both ranks timing out
-with distgrad's account. They are pinned so that a change of behaviour shows here and the table
-is updated with it. The mismatches the guard turns into a named error are in test_guard.py.
+outcome asserted is what the table says happens today: the process of one rank aborted by gloo
+(SIGABRT), a silently wrong result, or both ranks timing out with distgrad's account. They are
+pinned so that a change of behaviour (for better, with a guard that rides in the data, or for
+worse) shows here and the table is updated with it.
 """
 
 from __future__ import annotations
@@ -28,6 +28,10 @@ CASES: dict[str, Callable[[int], torch.Tensor | None]] = {
         torch.ones(4, 3, dtype=torch.float32 if r == 0 else torch.float64)
     ),
     "all_to_all shape": lambda r: dg.all_to_all(torch.ones(4, 3 if r == 0 else 5)),
+    "broadcast shape": lambda r: dg.broadcast(torch.arange(3.0) if r == 0 else torch.zeros(4), 0),
+    "broadcast complex64 vs float64": lambda r: dg.broadcast(
+        torch.ones(3, dtype=torch.complex64) if r == 0 else torch.zeros(3, dtype=torch.float64), 0
+    ),
     "reduce dtype": lambda r: dg.reduce(
         torch.ones(3, dtype=torch.float32 if r == 0 else torch.float64), 0
     ),
@@ -77,7 +81,7 @@ def _outcome(case: str) -> tuple[list[list[float]] | None, str]:
 
 
 @pytest.mark.parametrize(
-    "case", ["reduce_scatter shape", "reduce_scatter dtype", "all_to_all shape", "reduce shape"]
+    "case", ["reduce_scatter shape", "reduce_scatter dtype", "all_to_all shape"]
 )
 def test_a_size_mismatch_aborts_one_process_and_its_peer_names_it(case: str) -> None:
     results, report = _outcome(case)
@@ -85,6 +89,20 @@ def test_a_size_mismatch_aborts_one_process_and_its_peer_names_it(case: str) -> 
     assert "--- rank 0: died without reporting (exit code -6)" in report, report  # gloo's abort
     if "--- rank 1:" in report:  # unless the harness stopped it first, the peer names rank 0
         assert "when its connection to rank 0 closed" in report, report
+
+
+def test_a_broadcast_shape_mismatch_is_silently_wrong() -> None:
+    results, report = _outcome("broadcast shape")
+    assert results is not None, report
+    assert results[0] == [0.0, 1.0, 2.0]
+    assert len(results[1]) == 4 and results[1][:3] == [0.0, 1.0, 2.0]  # 4th entry: never sent
+
+
+def test_a_broadcast_of_complex64_into_float64_is_silently_wrong() -> None:
+    results, report = _outcome("broadcast complex64 vs float64")
+    assert results is not None, report
+    assert results[0] == [1.0, 0.0] * 3
+    assert results[1] != [1.0] * 3  # the bytes of (1+0j) read as float64: nonsense
 
 
 def test_a_scatter_receiver_of_another_shape_is_silently_wrong() -> None:
@@ -95,7 +113,9 @@ def test_a_scatter_receiver_of_another_shape_is_silently_wrong() -> None:
     assert len(results[1]) == 2 and results[1][0] == [1.0] * 5 and results[1][1][0] == 1.0
 
 
-@pytest.mark.parametrize("case", ["all_reduce op", "a different collective", "a different src"])
+@pytest.mark.parametrize(
+    "case", ["reduce shape", "all_reduce op", "a different collective", "a different src"]
+)
 def test_a_different_call_times_out_on_both_ranks_with_distgrad_s_account(case: str) -> None:
     results, report = _outcome(case)
     assert results is None
