@@ -414,7 +414,31 @@ def all_gather(x: Tensor, sizes: Sequence[int], group: Group) -> Tensor:
 
 def _bytes(x: Tensor) -> Tensor:
     """``x``'s bytes, flat (a view when ``x`` is contiguous)."""
-    return x.contiguous().view(-1).view(torch.uint8)
+    flat = x.contiguous().view(-1)
+    if flat.numel() <= 1 and flat.stride(0) != 1:  # a lone entry keeps any stride it had
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    return flat.view(torch.uint8)
+
+
+def _row_bytes(x: Tensor) -> int:
+    return math.prod(x.shape[1:]) * x.element_size()
+
+
+def _tagged(parts: Sequence[Tensor], tag: _guard.Tag) -> Tensor:
+    """Each part's bytes followed by ``tag``'s, concatenated: one copy (see distgrad._guard)."""
+    mark = _guard.tag_tensor(tag, torch.uint8, parts[0].device)
+    return torch.cat([piece for part in parts for piece in (_bytes(part), mark)])
+
+
+def _untagged(
+    received: Tensor, pieces: Sequence[int], tag: _guard.Tag, group: Group, like: Tensor, rows: int
+) -> Tensor:
+    """Check the tag after each of ``received``'s byte ``pieces`` (each ends in one), and return
+    the data before them as ``rows`` rows of ``like``'s row shape and dtype."""
+    blocks = torch.split(received, list(pieces))
+    _guard.check(torch.stack([b[-_guard.BYTES :] for b in blocks]), tag, group)
+    data = torch.cat([b[: -_guard.BYTES] for b in blocks])
+    return data.view(like.dtype).view(rows, *like.shape[1:])
 
 
 def _all_gather(x: Tensor, sizes: Sequence[int], group: Group) -> Tensor:
@@ -462,6 +486,22 @@ def all_to_all(
     """Send rows ``input_sizes[i]`` of ``x`` to rank i; receive ``output_sizes[i]`` from rank i."""
     if group.pg is None:
         return x.clone()
+    if not _guard.enabled():
+        return _all_to_all(x, input_sizes, output_sizes, group)
+    # Guarded: each chunk's bytes and a tag, exchanged as byte chunks, compacted after.
+    tag = _guard.byte_tag(group, "all_to_all", x.dtype, x.shape[1:], "")
+    row = _row_bytes(x)
+    sent = _tagged(torch.split(x, list(input_sizes)), tag)
+    out_pieces = [s * row + _guard.BYTES for s in output_sizes]
+    in_pieces = [s * row + _guard.BYTES for s in input_sizes]
+    received = _all_to_all(sent, in_pieces, out_pieces, group)
+    return _untagged(received, out_pieces, tag, group, x, sum(output_sizes))
+
+
+def _all_to_all(
+    x: Tensor, input_sizes: Sequence[int], output_sizes: Sequence[int], group: Group
+) -> Tensor:
+    assert group.pg is not None
     out = x.new_empty((sum(output_sizes), *x.shape[1:]))
     if group.is_nccl:
         _run(
@@ -506,9 +546,21 @@ def permute(x: Tensor, perm: Sequence[int], recv_shape: Sequence[int], group: Gr
     if group.pg is None or perm[group.rank] == group.rank:
         return x.clone()
     source = list(perm).index(group.rank)
-    out = x.new_empty(tuple(recv_shape))
-    start_exchange([(x.contiguous(), perm[group.rank])], [(out, source)], group).wait()
-    return out
+    if not _guard.enabled():
+        out = x.new_empty(tuple(recv_shape))
+        start_exchange([(x.contiguous(), perm[group.rank])], [(out, source)], group).wait()
+        return out
+    # Guarded: the sender tags what it sends (its shape), the receiver checks against what it
+    # expects (recv_shape); a receiver's tag bytes start as zeros, which no tag is.
+    sent_tag = _guard.byte_tag(group, "permute", x.dtype, x.shape, "")
+    want = _guard.byte_tag(group, "permute", x.dtype, recv_shape, "", counted=False)
+    n = math.prod(recv_shape) * x.element_size()
+    buf = torch.empty(n + _guard.BYTES, dtype=torch.uint8, device=x.device)
+    buf[n:].zero_()
+    sent = _tagged([x], sent_tag)
+    start_exchange([(sent, perm[group.rank])], [(buf, source)], group).wait()
+    _guard.check(buf[n:], want, group)
+    return buf[:n].view(x.dtype).view(tuple(recv_shape))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -631,6 +683,19 @@ def gather(x: Tensor, sizes: Sequence[int], dst: int, group: Group) -> Tensor | 
     """Rank ``dst`` gets every rank's ``x`` concatenated along dim 0; None elsewhere."""
     if group.pg is None:
         return x.clone()
+    if not _guard.enabled():
+        return _gather(x, sizes, dst, group)
+    # Guarded: as all_gather, to one rank.
+    tag = _guard.byte_tag(group, "gather", x.dtype, x.shape[1:], f"sizes={list(sizes)}, dst={dst}")
+    pieces = [s * _row_bytes(x) + _guard.BYTES for s in sizes]
+    received = _gather(_tagged([x], tag), pieces, dst, group)
+    if received is None:
+        return None
+    return _untagged(received, pieces, tag, group, x, sum(sizes))
+
+
+def _gather(x: Tensor, sizes: Sequence[int], dst: int, group: Group) -> Tensor | None:
+    assert group.pg is not None
     width = max(sizes)
     send = _pad_rows(x, width)
     out = send.new_empty((group.size * width, *x.shape[1:])) if group.rank == dst else None
@@ -670,8 +735,43 @@ def scatter(
         host = None if x is None else x.cpu()
         cpu = torch.device("cpu")
         return scatter(host, sizes, src, trailing, dtype, cpu, group).to(device)
+    if not _guard.enabled():
+        return _scatter(x, sizes, src, trailing, dtype, device, group)
+    # Guarded: the source tags each part with what it sends (its dtype and row shape); each
+    # receiver checks against what it expects (``dtype``, ``trailing``).
+    args = f"sizes={list(sizes)}, src={src}"
+    row = math.prod(trailing) * dtype.itemsize
+    tagged = None
+    is_src = group.rank == src
+    if is_src:  # (other ranks' x, if any, is not read)
+        assert x is not None
+        sent = _guard.byte_tag(group, "scatter", x.dtype, x.shape[1:], args)
+        tagged = _tagged(torch.split(x, list(sizes)), sent)
+    want = _guard.byte_tag(group, "scatter", dtype, trailing, args, counted=not is_src)
+    pieces = [s * row + _guard.BYTES for s in sizes]
+    mine = pieces[group.rank]
+    received = _scatter(tagged, pieces, src, (), torch.uint8, device, group, zero_tail=True)
+    _guard.check(received[mine - _guard.BYTES :], want, group)
+    data = received[: mine - _guard.BYTES]
+    return data.view(dtype).view(sizes[group.rank], *trailing)
+
+
+def _scatter(
+    x: Tensor | None,
+    sizes: Sequence[int],
+    src: int,
+    trailing: Sequence[int],
+    dtype: torch.dtype,
+    device: torch.device,
+    group: Group,
+    zero_tail: bool = False,
+) -> Tensor:
+    """``scatter``'s exchange; ``zero_tail``: the output's last tag bytes start as zeros."""
+    assert group.pg is not None
     width = max(sizes)
     out = torch.empty((width, *trailing), dtype=dtype, device=device)
+    if zero_tail:
+        out[sizes[group.rank] - _guard.BYTES : sizes[group.rank]].zero_()
     chunks = None
     if group.rank == src:
         assert x is not None

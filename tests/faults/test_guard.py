@@ -67,6 +67,24 @@ CAUGHT: dict[str, tuple[Call, tuple[int, ...]]] = {
         ),
         (0, 1),
     ),
+    "all_to_all, rows of (2, 3) against (6,)": (
+        lambda r: dg.all_to_all(torch.ones((4, 2, 3) if r == 0 else (4, 6))),
+        (0, 1),
+    ),
+    "gather, float32 against int32": (
+        lambda r: dg.gather(
+            torch.ones(2, 3, dtype=torch.float32 if r == 0 else torch.int32), 0, sizes=[2, 2]
+        ),
+        (0,),
+    ),
+    "scatter, a receiver shaped (2, 5) for a part of (2, 3)": (
+        lambda r: dg.scatter(torch.ones(4, 3) if r == 0 else torch.zeros(2, 5), 0, sizes=[2, 2]),
+        (1,),
+    ),
+    "permute, (2, 3) sent into a recv_shape of (3, 2)": (
+        lambda r: dg.permute(torch.ones(2, 3), [1, 0], recv_shape=(3, 2)),
+        (0, 1),
+    ),
 }
 
 
@@ -94,7 +112,7 @@ def test_a_same_bytes_mismatch_is_the_named_error_and_the_group_stays_usable(cas
             assert message == "", message
             continue
         op = case.split(",")[0].split()[0]
-        assert message.startswith(f"distgrad: rank {rank} was in the forward of {op}("), message
+        assert message.startswith(f"distgrad: rank {rank} was in the forward of {op}"), message
         found = "when the data guard found that the ranks had not made the same call (the tags"
         assert f"past the checked calls, {found} of this rank's" in message, message
         assert "DISTGRAD_DEBUG=1" in message
