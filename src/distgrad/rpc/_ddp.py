@@ -28,15 +28,17 @@ hooks reduce-scatter into other tensors than the leaves they read.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
 
 from distgrad.errors import RpcAutogradError
 from distgrad.rpc import _identity
 from distgrad.rpc._context import lookup
+from distgrad.rpc._records import Leaf
 
 __all__ = ["DDPReduction", "EngineCall", "Reduction", "Reductions", "install"]
 
@@ -51,7 +53,7 @@ class Reduction:
     verb = "averaged"
     also = ""  # more causes of a second reach, for the error
 
-    def __init__(self, module: Any, leaves: list[Tensor], params: list[Tensor]) -> None:
+    def __init__(self, module: nn.Module, leaves: list[Tensor], params: list[Tensor]) -> None:
         self.module = module
         self.key: object = module  # a second forward with the same key: see ``merge``
         self.ids = {id(p) for p in leaves}
@@ -92,8 +94,8 @@ class Reduction:
 class DDPReduction(Reduction):
     """One DDP module's reduction: its parameters are the leaves and get the averages."""
 
-    def __init__(self, module: Any) -> None:
-        params = [p for p in module.parameters() if p.requires_grad]
+    def __init__(self, module: DistributedDataParallel) -> None:
+        params: list[Tensor] = [p for p in module.parameters() if p.requires_grad]
         super().__init__(module, params, params)
         # Without find_unused_parameters DDP waits for every parameter, so its reduction may
         # span engine calls (the module's own forward made an RPC); with it, DDP decides at
@@ -117,7 +119,7 @@ class Reductions:
         for i in record.ids:
             self.reduced.pop(i, None)  # a new forward: a new reduction
 
-    def begin(self, leaves: Sequence[tuple[Tensor, Any]], *, capturing: bool) -> EngineCall:
+    def begin(self, leaves: Sequence[Leaf], *, capturing: bool) -> EngineCall:
         """The reductions the engine call over ``leaves`` takes part in (none if it reaches
         no wrapper's leaf); raises if it reaches a leaf twice or cannot run the hooks."""
         ids = {id(leaf) for leaf, _ in leaves}
@@ -187,7 +189,7 @@ def _twice(r: Reduction) -> str:
     )
 
 
-_original_forward: Any = None
+_original_forward: Callable[..., Any] | None = None  # DDP's own forward, once wrapped
 _install_lock = threading.Lock()
 
 
@@ -196,15 +198,14 @@ def install() -> None:
     global _original_forward
     if _original_forward is not None:
         return
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
     with _install_lock:
         if _original_forward is None:
-            _original_forward = DDP.forward
-            DDP.forward = _forward  # type: ignore[method-assign]
+            _original_forward = DistributedDataParallel.forward
+            DistributedDataParallel.forward = _forward  # type: ignore[method-assign]
 
 
-def _forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+def _forward(self: DistributedDataParallel, *args: Any, **kwargs: Any) -> Any:
+    assert _original_forward is not None
     out = _original_forward(self, *args, **kwargs)
     context_id = _identity.current_context_id()
     if context_id is not None and torch.is_grad_enabled() and self.require_backward_grad_sync:
