@@ -13,12 +13,12 @@ So a call of an FSDP2 module inside a distgrad context is noted (distgrad wraps
 ``FSDPModule.__call__``: one check per call), and the engine call that reaches its unsharded
 parameters lets their AccumulateGrad write ``.grad``; FSDP2's hooks reduce-scatter inside that
 call, and the sharded gradients go into the context, keyed by the sharded parameters, while
-their ``.grad`` gets its old value back (see ``_ddp``, whose bookkeeping this shares). One
-FSDP2 tree (a root and the modules ``fully_shard`` was applied to below it) reduces at the end
-of the first engine call that reaches any of it, so the tree's forward must reach the loss in
-one engine call: a second one raises :class:`RpcAutogradError` before any gradient of it is
-used, as does ``set_requires_gradient_sync(False)`` (FSDP2 would accumulate unsharded
-gradients that distgrad's engine does not write).
+their ``.grad`` gets its old value back (see ``_ddp``; both keep their books with
+``_reductions``). One FSDP2 tree (a root and the modules ``fully_shard`` was applied to
+below it) reduces at the end of the first engine call that reaches any of it, so the tree's
+forward must reach the loss in one engine call: a second one raises :class:`RpcAutogradError`
+before any gradient of it is used, as does ``set_requires_gradient_sync(False)`` (FSDP2
+would accumulate unsharded gradients that distgrad's engine does not write).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from distgrad.errors import RpcAutogradError
 from distgrad.rpc import _identity
 from distgrad.rpc._context import lookup
-from distgrad.rpc._ddp import Reduction, Reductions
+from distgrad.rpc._reductions import Reduction, Reductions
 
 if TYPE_CHECKING:  # imported when installed: a torch without FSDP2 has none
     from torch.distributed.fsdp import FSDPModule

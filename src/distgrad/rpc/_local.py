@@ -43,8 +43,8 @@ from torch.autograd.graph import GradientEdge, Node
 from torch.autograd.variable import Variable
 
 from distgrad.rpc import _context
-from distgrad.rpc._ddp import Reductions
 from distgrad.rpc._records import Leaf, Target
+from distgrad.rpc._reductions import Reductions
 from distgrad.rpc.send_recv import is_recv_node
 
 __all__ = ["Cut", "Walk", "capture", "run", "walk"]
