@@ -86,6 +86,16 @@ def find_cycle(graph: Graph) -> list[str] | None:
 Layers = list[list[list[str]]]
 
 
+def init_named(graph: Graph, package: str) -> Graph:
+    """``graph`` with ``package``'s ``__init__`` named ``package.__init__``, so that a layering
+    can place it apart from the modules of the package (a name stands for those below it)."""
+
+    def name(module: str) -> str:
+        return f"{package}.__init__" if module == package else module
+
+    return {name(m): {name(d) for d in deps} for m, deps in graph.items()}
+
+
 def placement(module: str, layers: Layers) -> tuple[int, int] | None:
     """(layer, area) of ``module``: where its most specific declared name sits, or None."""
     best: tuple[int, int, int] | None = None  # (length of the name, layer, area)

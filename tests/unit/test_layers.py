@@ -7,9 +7,11 @@ order. Both read the graph with tests/import_graph.py.
 from __future__ import annotations
 
 from tests.import_graph import (
+    Graph,
     Layers,
     find_cycle,
     import_graph,
+    init_named,
     layer_violations,
     module_files,
     placement,
@@ -29,23 +31,14 @@ LAYERS: Layers = [
     # Built on the collectives; rpc stands beside them (it needs only the errors).
     [["distgrad.losses"], ["distgrad.parallel"], ["distgrad.rpc"]],
     [["distgrad.testing"]],  # run_on_ranks and the checker (run_on_ranks can start RPC)
-    [["distgrad.__init__"]],  # the public surface: re-exports only (see _public below)
+    [["distgrad.__init__"]],  # the public surface: re-exports only
     [["distgrad._demo"]],  # the demo, a user of the public surface
     [["distgrad._cli", "distgrad.__main__"]],  # the command line, at the top
 ]
 
 
-def _public(name: str) -> str:
-    # import_graph names the package's __init__ "distgrad"; declared as "distgrad.__init__"
-    # so that its name does not stand for every module of the package.
-    return "distgrad.__init__" if name == "distgrad" else name
-
-
-def _graph() -> dict[str, set[str]]:
-    return {
-        _public(name): {_public(dep) for dep in deps}
-        for name, deps in import_graph("distgrad").items()
-    }
+def _graph() -> Graph:
+    return init_named(import_graph("distgrad"), "distgrad")
 
 
 def test_no_import_circle_anywhere_in_the_package() -> None:
