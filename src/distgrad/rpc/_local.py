@@ -49,7 +49,7 @@ from distgrad.rpc.send_recv import is_recv_node
 
 __all__ = ["Cut", "Walk", "capture", "run", "walk"]
 
-_engine: Any = Variable._execution_engine  # torch's C++ engine: untyped  # type: ignore[attr-defined]
+_engine: Any = Variable._execution_engine  # type: ignore[attr-defined]  # torch's C++ engine
 _init_num_threads: Callable[[], None] = torch._C.init_num_threads  # type: ignore[attr-defined]
 
 # (node, the positions of its next edges to cut, called with (node, position, gradient))

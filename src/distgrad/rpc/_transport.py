@@ -104,7 +104,7 @@ class _Serializer(threading.local):
 
     def __init__(self) -> None:
         self.buffer = io.BytesIO()
-        self.table: dict[Any, Any] = {}
+        self.table: dict[type, Callable[..., Any]] = {}  # a pickler dispatch table
         self.tensors: list[Tensor] = []
         self.busy = False
         self.registered = -1  # how many reducers torch's pickler had when the table was made
