@@ -24,6 +24,8 @@ LAYERS: Layers = [
     [["distgrad.errors"], ["distgrad._alive"], ["distgrad._library"]],
     [["distgrad._group"]],  # groups, ranks, sizes; forgetting destroyed groups
     [["distgrad._wait"]],  # how a rank waits: ticks, dead peers, errors that say where
+    # The data guard past the checked calls: tags that travel in the data's own buffers.
+    [["distgrad._guard"]],
     [["distgrad._comm"]],  # raw out-of-place communication: every backend quirk
     # The checked calls' metadata and debug mode; the torch.library ops.
     [["distgrad._meta"], ["distgrad._ops"]],
