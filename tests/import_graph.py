@@ -79,3 +79,50 @@ def find_cycle(graph: Graph) -> list[str] | None:
         if start not in state and (found := visit(start)):
             return found
     return None
+
+
+# A layering: bottom first; each layer a list of areas, each area a list of module names (a
+# name stands for the module and every module below it, the most specific name winning).
+Layers = list[list[list[str]]]
+
+
+def init_named(graph: Graph, package: str) -> Graph:
+    """``graph`` with ``package``'s ``__init__`` named ``package.__init__``, so that a layering
+    can place it apart from the modules of the package (a name stands for those below it)."""
+
+    def name(module: str) -> str:
+        return f"{package}.__init__" if module == package else module
+
+    return {name(m): {name(d) for d in deps} for m, deps in graph.items()}
+
+
+def placement(module: str, layers: Layers) -> tuple[int, int] | None:
+    """(layer, area) of ``module``: where its most specific declared name sits, or None."""
+    best: tuple[int, int, int] | None = None  # (length of the name, layer, area)
+    for i, layer in enumerate(layers):
+        for j, area in enumerate(layer):
+            for name in area:
+                if (module == name or module.startswith(name + ".")) and (
+                    best is None or len(name) > best[0]
+                ):
+                    best = (len(name), i, j)
+    return None if best is None else (best[1], best[2])
+
+
+def layer_violations(graph: Graph, layers: Layers) -> list[str]:
+    """Every import that does not point down: a module may import a module of a lower layer,
+    or of its own area; never one of a higher layer or of another area of its own layer.
+    A module no layer names is a violation too (so that a new module gets declared)."""
+    found = []
+    for module in sorted(graph):
+        here = placement(module, layers)
+        if here is None:
+            found.append(f"{module} belongs to no declared layer")
+            continue
+        for dep in sorted(graph[module]):
+            there = placement(dep, layers)
+            if there is None or there[0] > here[0] or (there[0] == here[0] and there != here):
+                found.append(
+                    f"{module} (layer {here[0]}) imports {dep} (layer {there and there[0]})"
+                )
+    return found

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 import distgrad as dg
 from distgrad.testing import run_on_ranks
+from tests._support import seeded
 
 ROWS = (3, 5)  # rank 0's and rank 1's rows
 BF16 = {"dtype": torch.bfloat16}
@@ -36,7 +37,7 @@ def _encoder() -> nn.Linear:
 
 
 def _batch() -> tuple[Tensor, Tensor]:
-    gen = torch.Generator().manual_seed(1)
+    gen = seeded(1)
     return torch.randn(sum(ROWS), 6, generator=gen), torch.randn(sum(ROWS), 6, generator=gen)
 
 

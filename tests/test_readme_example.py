@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from distgrad.testing import run_on_ranks
+from tests._support import FLOAT64_ROUNDING, seeded
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 B_LOCAL, DIM = 3, 5
@@ -48,7 +49,7 @@ def test_readme_example_runs_as_shown_and_the_checker_agrees(tmp_path: Path) -> 
 
 
 def _data(world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(7)
+    gen = seeded(7)
     q = torch.randn(world_size * B_LOCAL, DIM, dtype=torch.float64, generator=gen)
     k = torch.randn(world_size * B_LOCAL, DIM, dtype=torch.float64, generator=gen)
     return q, k
@@ -75,5 +76,5 @@ def test_readme_example_gives_the_single_process_gradient_under_ddp_averaging() 
     results = run_on_ranks(_distributed, world_size)
     for rank, (gq, gk) in enumerate(results):
         rows = slice(rank * B_LOCAL, (rank + 1) * B_LOCAL)
-        torch.testing.assert_close(gq, q.grad[rows], rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(gk, k.grad[rows], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(gq, q.grad[rows], **FLOAT64_ROUNDING)
+        torch.testing.assert_close(gk, k.grad[rows], **FLOAT64_ROUNDING)

@@ -1,5 +1,9 @@
 """Single-process ground truth for every collective: all ranks simulated in one process.
 
+Seeds, cotangents and tolerances come from tests/_support.py; this module adds what only the
+collectives need: the cases, every rank's inputs, the reference outputs and gradients, and
+checking one case on a rank. benchmarks/gpu_check.py imports its public names from here.
+
 ``outputs(case, xs)`` returns what each rank's call returns when rank r passed ``xs[r]``, built
 from plain torch ops on the global data, so autograd of ``sum_r <outputs[r], v[r]>`` is the
 gradient every distributed test compares with (the sum objective of docs/semantics.md).
@@ -16,11 +20,11 @@ from torch import Tensor
 
 import distgrad as dg
 from distgrad.collectives._signature import CHECKED_CALLS
+from tests._support import FLOAT32, FLOAT64, Tolerance, cotangent, seeded
 
 OPS = ("sum", "avg", "prod", "max", "min")
-# float64 to 1e-10 relative (the reductions may add in a different order than the reference);
-# float32 to 1e-5 relative for the same reason.
-TOL = {torch.float64: {"rtol": 1e-10, "atol": 1e-12}, torch.float32: {"rtol": 1e-5, "atol": 1e-6}}
+# The reductions may add in a different order than the reference (tests/_support.py).
+TOL: dict[torch.dtype, Tolerance] = {torch.float64: FLOAT64, torch.float32: FLOAT32}
 
 
 @dataclass(frozen=True)
@@ -34,10 +38,6 @@ class Case:
     def kwargs_for(self, rank: int) -> dict[str, Any]:
         extra = self.per_rank_kwargs[rank] if self.per_rank_kwargs else {}
         return {**self.kwargs, **extra}
-
-
-def seeded(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
 
 
 def inputs(case: Case, dtype: torch.dtype, seed: int = 0) -> list[Tensor]:
@@ -65,10 +65,7 @@ def inputs(case: Case, dtype: torch.dtype, seed: int = 0) -> list[Tensor]:
 
 def cotangents(outs: list[Tensor], seed: int = 1) -> list[Tensor]:
     """A different random cotangent for every rank's output (a symmetric loss hides misrouting)."""
-    return [
-        torch.randn(o.shape, dtype=o.dtype, generator=seeded(seed * 1000 + r))
-        for r, o in enumerate(outs)
-    ]
+    return [cotangent(seed * 1000 + r, o) for r, o in enumerate(outs)]
 
 
 def _reduce(stacked: Tensor, op: str) -> Tensor:

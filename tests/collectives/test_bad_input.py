@@ -21,6 +21,7 @@ import distgrad as dg
 from distgrad._meta import debug_enabled
 from distgrad.errors import CollectiveArgumentError, CollectiveMismatchError, RankFailedError
 from distgrad.testing import run_on_ranks
+from tests._support import seeded
 from tests.collectives.reference import outcome
 
 Case = Callable[[int, int], Any]
@@ -425,7 +426,7 @@ def test_debug_mode_rejects_replicated_objective_with_different_losses_on_every_
 
 def _backward_in_different_orders(rank: int, world_size: int, debug: bool) -> tuple[str, str]:
     dg.set_debug(debug)
-    gen = torch.Generator().manual_seed(rank)
+    gen = seeded(rank)
     x1 = torch.randn(2, 3, dtype=torch.float64, generator=gen, requires_grad=True)
     x2 = torch.randn(2, 3, dtype=torch.float64, generator=gen, requires_grad=True)
     a, b = dg.all_gather(x1), dg.all_gather(x2)  # same op, same shape: calls k and k + 1

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 import distgrad as dg
 from distgrad.testing import run_on_ranks
+from tests._support import seeded
 from tests.collectives.reference import outcome
 
 ALL_DTYPES: list[torch.dtype] = list(
@@ -44,7 +45,7 @@ def _tensor(dtype: torch.dtype, rank: int) -> torch.Tensor:
         warnings.simplefilter("ignore")  # torch deprecates creating quantized tensors
         if str(dtype) in REFUSED:
             return torch.empty(4, dtype=dtype)
-    gen = torch.Generator().manual_seed(rank)
+    gen = seeded(rank)
     high = 2 if dtype == torch.bool else 256
     raw = torch.randint(0, high, (4 * dtype.itemsize,), generator=gen, dtype=torch.uint8)
     return raw.view(dtype)

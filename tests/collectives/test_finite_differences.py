@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 import distgrad as dg
 from distgrad.testing import run_on_ranks
+from tests._support import FLOAT64, seeded
 from tests.collectives.reference import OPS, Case, cotangents, inputs, outputs
 
 H = 1e-6
@@ -96,9 +97,7 @@ def _double_backward(rank: int, n: int) -> list[str]:
         xs = inputs(case, torch.float64, seed=5)
         vs = cotangents(outputs(case, xs), seed=6)
         ws = [
-            torch.randn(
-                x.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(9 + r)
-            )
+            torch.randn(x.shape, dtype=torch.float64, generator=seeded(9 + r))
             for r, x in enumerate(xs)
         ]
         # Single process: F = sum_r <op(x)_r, v_r> is linear in x, so dF/dx = op^T(v) and
@@ -117,7 +116,7 @@ def _double_backward(rank: int, n: int) -> list[str]:
         assert g is not None
         (got,) = torch.autograd.grad((g * ws[rank]).sum(), v, allow_unused=True)
         got = got if got is not None else torch.zeros_like(v)
-        if not torch.allclose(got, expected, rtol=1e-10, atol=1e-12):
+        if not torch.allclose(got, expected, **FLOAT64):
             failures.append(f"{case}: double backward {got} vs {expected}")
     return failures
 

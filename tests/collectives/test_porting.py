@@ -18,6 +18,7 @@ from torch import Tensor
 
 import distgrad as dg
 from distgrad.testing import run_on_ranks
+from tests._support import FLOAT64_ROUNDING, seeded
 
 
 def _all_reduce(t: Tensor) -> Tensor:
@@ -101,21 +102,19 @@ def _both_ways(rank: int, world_size: int) -> dict[str, list[str]]:
     for name, megatron in MEGATRON.items():
         # Megatron's inputs: replicated where the region expects it (copy_to, scatter_to)
         seed = 7 if name.startswith(("copy_to", "scatter_to")) else 7 + rank
-        x = torch.randn(4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+        x = torch.randn(4, 6, dtype=torch.float64, generator=seeded(seed))
         results = []
         for fn in (megatron, DISTGRAD[name]):
             leaf = x.clone().requires_grad_()
             out = fn(leaf)
-            v = torch.randn(
-                out.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(rank)
-            )
+            v = torch.randn(out.shape, dtype=torch.float64, generator=seeded(rank))
             (out * v).sum().backward()
             results.append((out.detach(), leaf.grad))
         (want, want_grad), (got, got_grad) = results
         differ[name] = [
             what
             for what, a, b in (("value", got, want), ("gradient", got_grad, want_grad))
-            if not torch.allclose(a, b, rtol=1e-12, atol=1e-12)
+            if not torch.allclose(a, b, **FLOAT64_ROUNDING)
         ]
     return differ
 

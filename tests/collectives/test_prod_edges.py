@@ -23,6 +23,7 @@ import torch
 
 import distgrad as dg
 from distgrad.testing import run_on_ranks
+from tests._support import seeded
 
 # Per world size: entries as columns, one row per rank. float64 values; the float32 variant
 # scales the overflow and underflow columns into float32's range (1e30, 1e-30).
@@ -75,7 +76,7 @@ def _entries(world_size: int, dtype: torch.dtype) -> torch.Tensor:
 def _cotangent(op: str, world_size: int, entries: int) -> torch.Tensor:
     """[world_size, output entries]: each rank's random cotangent for its output."""
     out = entries if op != "reduce_scatter" else entries // world_size
-    gen = torch.Generator().manual_seed(7)
+    gen = seeded(7)
     return torch.rand(world_size, out, dtype=torch.float64, generator=gen) + 0.5
 
 

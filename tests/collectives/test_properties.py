@@ -28,9 +28,9 @@ from hypothesis import strategies as st
 
 import distgrad as dg
 from distgrad.testing import run_on_ranks
+from tests._support import FLOAT64
 from tests.collectives.reference import (
     OPS,
-    TOL,
     Case,
     call_args,
     cotangents,
@@ -104,7 +104,7 @@ def _check(rank: int, n: int, case: Case, known: bool) -> None:
     arg, kwargs = call_args(case, rank, [x if r == rank else t for r, t in enumerate(xs)], known)
     out = getattr(dg, case.op)(arg, **kwargs)
     (out * vs[rank]).sum().backward()
-    tol = TOL[torch.float64]
+    tol = FLOAT64
     torch.testing.assert_close(out, expected[rank], **tol, msg=lambda m: f"forward: {m}")
     if not passes_none:
         got = x.grad if x.grad is not None else torch.zeros_like(x)

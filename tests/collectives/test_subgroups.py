@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 import distgrad as dg
 from distgrad.testing import run_on_ranks
+from tests._support import FLOAT64, seeded
 from tests.collectives.reference import cases, check_case, edge_cases, replicated_cases
 
 
@@ -59,7 +60,7 @@ def test_src_zero_on_a_sub_group_means_its_first_member() -> None:
 def _world_and_sub_group_in_one_graph(rank: int, world_size: int) -> list[str]:
     members = [1, 2]
     group = dist.new_group(members)
-    gen = torch.Generator().manual_seed(7)
+    gen = seeded(7)
     xs = [torch.randn(2, 3, dtype=torch.float64, generator=gen) for _ in range(world_size)]
     ws = [torch.randn(world_size, 3, dtype=torch.float64, generator=gen) for _ in range(3)]
 
@@ -80,11 +81,11 @@ def _world_and_sub_group_in_one_graph(rank: int, world_size: int) -> list[str]:
     out = dg.all_gather(y.sum(0, keepdim=True))  # world again, after the sub-group
     (out * ws[rank]).sum().backward()
     failures = []
-    if not torch.allclose(out, z.detach(), rtol=1e-10, atol=1e-12):
+    if not torch.allclose(out, z.detach(), **FLOAT64):
         failures.append(f"rank {rank}: forward {out} vs {z}")
     grad = leaves[rank].grad
     assert grad is not None and x.grad is not None
-    if not torch.allclose(x.grad, grad, rtol=1e-10, atol=1e-12):
+    if not torch.allclose(x.grad, grad, **FLOAT64):
         failures.append(f"rank {rank}: gradient {x.grad} vs {grad}")
     return failures
 

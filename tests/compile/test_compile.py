@@ -19,8 +19,8 @@ from torch import Tensor
 
 import distgrad as dg
 from distgrad.testing import run_on_ranks
+from tests._support import COMPILED, seeded
 
-TOL = {"rtol": 1e-9, "atol": 1e-9}
 Step = Callable[[Tensor, Tensor], Tensor]
 
 
@@ -92,7 +92,7 @@ def _compiled_matches_eager(rank: int, n: int, which: str) -> list[Any]:
     torch.set_default_dtype(torch.float64)
     build, shape = STEPS[which]
     step = build(rank, n)
-    gen = torch.Generator().manual_seed(1000 + rank)
+    gen = seeded(1000 + rank)
     v = torch.randn(20, 4 * n, 3 * n + 8, generator=gen)  # a cotangent per output
     x = torch.randn(shape, generator=gen, requires_grad=True)
     explained = torch._dynamo.explain(step)(x, v)
@@ -106,8 +106,8 @@ def _compiled_matches_eager(rank: int, n: int, which: str) -> list[Any]:
         (want_grad,) = torch.autograd.grad(want, x)
         got = compiled(x, v)
         (got_grad,) = torch.autograd.grad(got, x)
-        torch.testing.assert_close(got, want, **TOL, msg=lambda m, i=i: f"step {i}: loss: {m}")
-        torch.testing.assert_close(got_grad, want_grad, **TOL, msg=lambda m: f"gradient: {m}")
+        torch.testing.assert_close(got, want, **COMPILED, msg=lambda m, i=i: f"step {i}: loss: {m}")
+        torch.testing.assert_close(got_grad, want_grad, **COMPILED, msg=lambda m: f"gradient: {m}")
         torch._dynamo.config.error_on_recompile = True  # a second compilation raises
     return found
 

@@ -25,6 +25,7 @@ import distgrad as dg
 from distgrad import _alive, _group
 from distgrad.collectives import _signature
 from distgrad.testing import run_on_ranks
+from tests._support import EXACT
 
 
 def _all_gather_gradient_is_exact(rank: int, world: int, rows: int, group: object) -> None:
@@ -36,7 +37,7 @@ def _all_gather_gradient_is_exact(rank: int, world: int, rows: int, group: objec
     out.backward(cotangent)
     # every rank back-propagates the same cotangent: this rank's rows get it size times
     expected = size * cotangent[me * rows : (me + 1) * rows]
-    torch.testing.assert_close(x.grad, expected, rtol=0, atol=0)
+    torch.testing.assert_close(x.grad, expected, **EXACT)
 
 
 def _three_rounds(rank: int, world: int, folder: str) -> list[int]:

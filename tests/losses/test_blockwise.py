@@ -21,14 +21,14 @@ import distgrad as dg
 from distgrad._group import resolve
 from distgrad.losses._ring import ring_clip, ring_reduce
 from distgrad.testing import check_against_single_process, run_on_ranks
+from tests._support import FLOAT64, seeded
 from tests.losses import cases
 
 SHARDINGS = [[5], [4, 3], [3, 0, 2], [1, 3, 2, 1]]
-TOL = {"rtol": 1e-10, "atol": 1e-12}
 
 
 def _data(rows: int, seed: int) -> list[Tensor]:
-    gen = torch.Generator().manual_seed(seed)
+    gen = seeded(seed)
     a, k = (torch.randn(rows, 4, dtype=torch.float64, generator=gen) for _ in range(2))
     return [a, k, torch.randn(rows, dtype=torch.float64, generator=gen)]  # v: the cotangent
 
@@ -85,15 +85,15 @@ def test_ring_reduce_equals_the_full_reduction_with_random_cotangents(sizes: lis
         assert a.grad is not None and s.grad is not None and b.grad is not None
         grad_a = a.grad  # with mask_self the keys are the anchors: one gradient for both
         got = [torch.cat([r[case][i] for r in per_rank]) for i in range(3)]
-        torch.testing.assert_close(got[0], out.detach(), **TOL)
+        torch.testing.assert_close(got[0], out.detach(), **FLOAT64)
         if mask:
-            torch.testing.assert_close(got[1] + got[2], grad_a, **TOL)
+            torch.testing.assert_close(got[1] + got[2], grad_a, **FLOAT64)
         else:
             assert k.grad is not None
-            torch.testing.assert_close(got[1], grad_a, **TOL)
-            torch.testing.assert_close(got[2], k.grad, **TOL)
-        torch.testing.assert_close(sum(r[case][3] for r in per_rank), s.grad, **TOL)
-        torch.testing.assert_close(sum(r[case][4] for r in per_rank), b.grad, **TOL)
+            torch.testing.assert_close(got[1], grad_a, **FLOAT64)
+            torch.testing.assert_close(got[2], k.grad, **FLOAT64)
+        torch.testing.assert_close(sum(r[case][3] for r in per_rank), s.grad, **FLOAT64)
+        torch.testing.assert_close(sum(r[case][4] for r in per_rank), b.grad, **FLOAT64)
 
 
 def _blockwise(loss: Callable[..., Tensor], block: int) -> Callable[..., Tensor]:
@@ -104,7 +104,7 @@ BLOCKWISE = [cases.nt_xent, cases.info_nce, cases.clip_loss, cases.siglip_loss]
 
 
 def _views(rows: int) -> dict[str, Tensor]:
-    gen = torch.Generator().manual_seed(1)
+    gen = seeded(1)
     base = torch.randn(rows, 5, dtype=torch.float64, generator=gen)
     noise = [0.1 * torch.randn(rows, 5, dtype=torch.float64, generator=gen) for _ in range(2)]
     return {"a": base + noise[0], "b": base + noise[1]}
@@ -120,11 +120,11 @@ def test_blockwise_loss_equals_dense_loss_in_one_process(loss: Callable[..., Ten
         model = cases.Learnable()
         value = loss(model, views["a"], views["b"], block_size=block)
         value.backward()
-        torch.testing.assert_close(value, loss(reference, views["a"], views["b"]), **TOL)
+        torch.testing.assert_close(value, loss(reference, views["a"], views["b"]), **FLOAT64)
         for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
             assert (p.grad is None) == (q.grad is None), name
             if p.grad is not None:
-                torch.testing.assert_close(p.grad, q.grad, **TOL, msg=name)
+                torch.testing.assert_close(p.grad, q.grad, **FLOAT64, msg=name)
 
 
 def _sharded_blockwise(rank: int, world_size: int, name: str, sizes: list[int]) -> list[Tensor]:
@@ -152,11 +152,11 @@ def test_blockwise_loss_on_ranks_equals_dense_loss_in_one_process(
     for sizes in ([4, 3], [3, 0, 4], [1, 3, 2, 1]):  # 7 rows, as the reference
         per_rank = run_on_ranks(_sharded_blockwise, len(sizes), args=(loss.__name__, sizes))
         for result in per_rank:
-            torch.testing.assert_close(result[0], value.detach(), **TOL)
+            torch.testing.assert_close(result[0], value.detach(), **FLOAT64)
         for i, q in enumerate(reference.parameters(), start=1):
             averaged = sum(r[i] for r in per_rank) / len(sizes)
             expected = torch.zeros(()) if q.grad is None else q.grad
-            torch.testing.assert_close(averaged, expected, **TOL, check_dtype=False)
+            torch.testing.assert_close(averaged, expected, **FLOAT64, check_dtype=False)
 
 
 def nt_xent_blockwise(m: cases.Learnable, a: Tensor, b: Tensor) -> Tensor:
@@ -193,7 +193,7 @@ def test_blockwise_dims_differing_across_ranks_raise_on_every_rank() -> None:
 
 def _ring_clip_worker(rank: int, world_size: int, sizes: list[int]) -> list[Tensor]:
     start, stop = sum(sizes[:rank]), sum(sizes[: rank + 1])
-    gen = torch.Generator().manual_seed(4)
+    gen = seeded(4)
     x, y, v_row, v_col = (
         torch.randn(sum(sizes), 4, dtype=torch.float64, generator=gen)[start:stop] for _ in range(4)
     )
@@ -213,7 +213,7 @@ def test_ring_clip_equals_row_and_column_logsumexps_with_random_cotangents(
     """Objective: sum over ranks of <row_r, u_r> + <col_r, v_r>, random u, v; row i is the
     logsumexp of row i of s X Y^T, col j of column j; texts get the sum over all images."""
     per_rank = run_on_ranks(_ring_clip_worker, len(sizes), args=(sizes,))
-    gen = torch.Generator().manual_seed(4)
+    gen = seeded(4)
     x, y, u, v = (torch.randn(sum(sizes), 4, dtype=torch.float64, generator=gen) for _ in range(4))
     x.requires_grad_(True)
     y.requires_grad_(True)
@@ -222,5 +222,5 @@ def test_ring_clip_equals_row_and_column_logsumexps_with_random_cotangents(
     row, col = logits.logsumexp(1), logits.logsumexp(0)
     ((row * u[:, 0]).sum() + (col * v[:, 0]).sum()).backward()
     for i, want in enumerate([row.detach(), col.detach(), x.grad, y.grad]):
-        torch.testing.assert_close(torch.cat([r[i] for r in per_rank]), want, **TOL)
-    torch.testing.assert_close(sum(r[4] for r in per_rank), s.grad, **TOL)
+        torch.testing.assert_close(torch.cat([r[i] for r in per_rank]), want, **FLOAT64)
+    torch.testing.assert_close(sum(r[4] for r in per_rank), s.grad, **FLOAT64)

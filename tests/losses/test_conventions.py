@@ -23,15 +23,15 @@ from torch import Tensor
 
 import distgrad as dg
 from distgrad.testing import GradReport, check_against_single_process, run_on_ranks
+from tests._support import FLOAT64, seeded
 from tests.losses import ported as P
 
 ROWS, DIM = 8, 5
-TOL = {"rtol": 1e-10, "atol": 1e-12}
 
 
 def _raw(seed: int = 1) -> tuple[Tensor, Tensor]:
     """Paired raw features: two noisy copies of the same points (not normalised)."""
-    gen = torch.Generator().manual_seed(seed)
+    gen = seeded(seed)
     base = torch.randn(ROWS, DIM, dtype=torch.float64, generator=gen)
     noise = 0.3 * torch.randn(2, ROWS, DIM, dtype=torch.float64, generator=gen)
     return 3 * (base + noise[0]), 3 * (base + noise[1])
@@ -85,13 +85,13 @@ def test_clip_and_siglip_equal_the_papers_formulas_on_prenormalised_features() -
             value, gx, gy, *_ = result[i]
             rows = slice(rank * ROWS // 2, (rank + 1) * ROWS // 2)
             where = f"{kind} block={block} rank {rank}"
-            torch.testing.assert_close(value, expected.detach(), **TOL, msg=where)
+            torch.testing.assert_close(value, expected.detach(), **FLOAT64, msg=where)
             assert x.grad is not None and y.grad is not None
-            torch.testing.assert_close(gx, 2 * x.grad[rows], **TOL, msg=where)
-            torch.testing.assert_close(gy, 2 * y.grad[rows], **TOL, msg=where)
+            torch.testing.assert_close(gx, 2 * x.grad[rows], **FLOAT64, msg=where)
+            torch.testing.assert_close(gy, 2 * y.grad[rows], **FLOAT64, msg=where)
         for j, want in enumerate(scalar_grads):
             averaged = sum(r[i][3 + j] for r in per_rank) / 2
-            torch.testing.assert_close(averaged, want, **TOL, msg=f"{kind} scalar {j}")
+            torch.testing.assert_close(averaged, want, **FLOAT64, msg=f"{kind} scalar {j}")
 
 
 @pytest.mark.parametrize("kind", ["clip", "siglip"])
@@ -99,10 +99,10 @@ def test_normalize_false_takes_raw_features_as_given(kind: str) -> None:
     """On raw features, normalize=False is the formula on them; the default normalises."""
     x, y, s, b = _leaves(*_raw())
     as_given = _distgrad(kind, x, y, s, b, None, normalize=False)
-    torch.testing.assert_close(as_given, _formula(kind, x, y, s, b), **TOL)
+    torch.testing.assert_close(as_given, _formula(kind, x, y, s, b), **FLOAT64)
     normalised = _formula(kind, F.normalize(x, dim=1), F.normalize(y, dim=1), s, b)
     default = _distgrad(kind, x, y, s, b, None, normalize=True)
-    torch.testing.assert_close(default, normalised, **TOL)
+    torch.testing.assert_close(default, normalised, **FLOAT64)
     assert abs(as_given.item() - default.item()) > 1.0  # the switch matters on raw features
 
 
@@ -124,9 +124,9 @@ def test_normalising_prenormalised_features_again_changes_no_encoder_gradient(ki
         loss.backward()
         results.append((loss.detach(), [p.grad for p in encoder.parameters()]))
     (v0, g0), (v1, g1) = results
-    torch.testing.assert_close(v0, v1, **TOL)
+    torch.testing.assert_close(v0, v1, **FLOAT64)
     for a, c in zip(g0, g1, strict=True):
-        torch.testing.assert_close(a, c, **TOL)
+        torch.testing.assert_close(a, c, **FLOAT64)
 
 
 # ------------------------------------------------------------------ measured conventions
@@ -134,7 +134,7 @@ def test_normalising_prenormalised_features_again_changes_no_encoder_gradient(ki
 
 def _pairs(first: str, second: str) -> dict[str, Tensor]:
     """Rank 0's half of the pairs is noisier (harder) than rank 1's."""
-    gen = torch.Generator().manual_seed(2)
+    gen = seeded(2)
     base = torch.randn(ROWS, DIM, dtype=torch.float64, generator=gen)
     noise = torch.randn(2, ROWS, DIM, dtype=torch.float64, generator=gen)
     level = torch.tensor([0.6] * (ROWS // 2) + [0.2] * (ROWS // 2), dtype=torch.float64)[:, None]
@@ -205,7 +205,7 @@ def test_official_simclr_loss_is_twice_nt_xent_and_exact_with_summed_gradients()
     x, y = _raw()
     encoder = P.Encoder()
     official, ours = P.simclr_official(encoder, x, y), P.distgrad_nt_xent(encoder, x, y)
-    torch.testing.assert_close(official, 2 * ours, **TOL)
+    torch.testing.assert_close(official, 2 * ours, **FLOAT64)
     assert _check(P.simclr_official, VIEWS, gradients="summed").ok
     assert _scales(_check(P.simclr_official, VIEWS)) == {0.5}
 
@@ -235,7 +235,7 @@ def test_clip_loss_module_clamps_in_the_forward_where_open_clip_clamps_the_param
     gets no gradient and stays where it is; open_clip's clamp_(0, log 100) after each step
     keeps it at most log 100 and lets it come back down. Random pairs (a smaller scale is
     better), SGD lr 0.1, 50 steps from a scale of 150."""
-    gen = torch.Generator().manual_seed(0)
+    gen = seeded(0)
     x, y = (torch.randn(64, 16, dtype=torch.float64, generator=gen) for _ in range(2))
 
     def train(criterion: dg.losses.CLIPLoss, clamp_after_step: bool) -> float:

@@ -17,11 +17,12 @@ from torch.nn.parallel import DistributedDataParallel
 import distgrad as dg
 from distgrad.errors import CollectiveArgumentError, CollectiveMismatchError
 from distgrad.testing import check_against_single_process, run_on_ranks
+from tests._support import FLOAT64_ROUNDING, seeded
 from tests.losses import cases
 
 
 def _views(rows: int) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(1)
+    gen = seeded(1)
     base = torch.randn(rows, 5, dtype=torch.float64, generator=gen)
     return {
         "a": base + 0.1 * torch.randn(rows, 5, dtype=torch.float64, generator=gen),
@@ -70,7 +71,7 @@ def test_one_ddp_step_equals_one_single_process_step() -> None:
     optimizer.step()
     for state in run_on_ranks(_ddp_step, 2):
         for name, value in model.state_dict().items():
-            torch.testing.assert_close(state[name], value, rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(state[name], value, **FLOAT64_ROUNDING)
 
 
 def _bad_inputs(rank: int, world_size: int) -> list[str]:

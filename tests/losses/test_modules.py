@@ -21,12 +21,13 @@ from torch.nn.parallel import DistributedDataParallel
 import distgrad as dg
 from distgrad.errors import CollectiveArgumentError
 from distgrad.testing import run_on_ranks
+from tests._support import FLOAT64, seeded
 
 ROWS = 8
 
 
 def _batch() -> tuple[Tensor, Tensor]:
-    gen = torch.Generator().manual_seed(3)
+    gen = seeded(3)
     base = torch.randn(ROWS, 6, dtype=torch.float64, generator=gen)
     return base, base + 0.2 * torch.randn(ROWS, 6, dtype=torch.float64, generator=gen)
 
@@ -82,9 +83,7 @@ def test_one_ddp_step_with_a_loss_module_outside_ddp_equals_one_process(sizes: l
         expected = [*encoder.parameters(), *criterion.parameters()]
         for rank, result in enumerate(per_rank):
             for got, want in zip(result[i], expected, strict=True):
-                torch.testing.assert_close(
-                    got, want.detach(), rtol=1e-10, atol=1e-12, msg=f"{kind} rank {rank}"
-                )
+                torch.testing.assert_close(got, want.detach(), **FLOAT64, msg=f"{kind} rank {rank}")
 
 
 class _Together(nn.Module):
@@ -148,9 +147,7 @@ def test_training_with_the_loss_module_inside_the_wrapped_model_equals_one_proce
         _train(model, *_batch())
         for rank, result in enumerate(per_rank):
             for got, want in zip(result[i], model.parameters(), strict=True):
-                torch.testing.assert_close(
-                    got, want.detach(), rtol=1e-10, atol=1e-12, msg=f"{kind} rank {rank}"
-                )
+                torch.testing.assert_close(got, want.detach(), **FLOAT64, msg=f"{kind} rank {rank}")
 
 
 def test_learnable_scalars_are_one_element_vectors_as_fully_shard_requires() -> None:
@@ -178,7 +175,7 @@ def test_checkpoints_of_earlier_releases_still_load() -> None:
 
 
 def test_siglip_keywords_of_earlier_releases_warn_and_still_work() -> None:
-    gen = torch.Generator().manual_seed(0)
+    gen = seeded(0)
     x, y = (torch.randn(4, 3, generator=gen) for _ in range(2))
     with pytest.warns(
         FutureWarning,
@@ -194,7 +191,7 @@ def test_siglip_keywords_of_earlier_releases_warn_and_still_work() -> None:
 
 
 def _float32(rank: int, world_size: int, block: int | None) -> list[Tensor]:
-    gen = torch.Generator().manual_seed(5)
+    gen = seeded(5)
     x, y = (torch.randn(64, 32, generator=gen) for _ in range(2))
     mine = slice(rank * 32, (rank + 1) * 32)
     x, y = x[mine].requires_grad_(), y[mine].requires_grad_()
@@ -209,7 +206,7 @@ def _float32(rank: int, world_size: int, block: int | None) -> list[Tensor]:
 def test_float32_clip_on_two_ranks_matches_float64_single_process(block: int | None) -> None:
     """float32 against a float64 reference: rtol 1e-5, atol 1e-6 (float32 rounding over 64
     candidates and a logit scale of 20)."""
-    gen = torch.Generator().manual_seed(5)
+    gen = seeded(5)
     x, y = (torch.randn(64, 32, generator=gen).double().requires_grad_() for _ in range(2))
     scale = torch.tensor(20.0, dtype=torch.float64, requires_grad=True)
     loss = dg.losses.clip_loss(x, y, logit_scale=scale)

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 import distgrad as dg
 from distgrad import parallel as P
+from tests._support import seeded
 
 DT = torch.float64
 
@@ -62,7 +63,7 @@ class MLP(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        gen = torch.Generator().manual_seed(5)
+        gen = seeded(5)
         self.fc1 = nn.Linear(D_MODEL, HIDDEN, dtype=DT)
         self.fc2 = nn.Linear(HIDDEN, D_MODEL, dtype=DT)
         with torch.no_grad():
@@ -163,7 +164,7 @@ class MoE(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        gen = torch.Generator().manual_seed(6)
+        gen = seeded(6)
         self.router = nn.Linear(D_MODEL, EXPERTS, bias=False, dtype=DT)
         self.experts = nn.ModuleList(nn.Linear(D_MODEL, D_MODEL, dtype=DT) for _ in range(EXPERTS))
         with torch.no_grad():
@@ -299,7 +300,7 @@ class Norms(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        gen = torch.Generator().manual_seed(7)
+        gen = seeded(7)
         self.image = P.SyncBatchNorm(3, dtype=DT)
         self.flat = P.SyncBatchNorm(4, momentum=None, dtype=DT)
         with torch.no_grad():

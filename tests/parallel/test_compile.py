@@ -25,8 +25,8 @@ from torch import Tensor
 import distgrad as dg
 from distgrad import parallel as P
 from distgrad.testing import run_on_ranks
+from tests._support import COMPILED, seeded
 
-TOL = {"rtol": 1e-9, "atol": 1e-9}
 Step = Callable[..., Tensor]
 
 
@@ -62,7 +62,7 @@ def _steps(rank: int, n: int) -> dict[str, tuple[Step, list[tuple[int, ...]]]]:
 def _compiled_matches_eager(rank: int, n: int, backend: str) -> dict[str, int]:
     # Two ranks on two cores: inductor's pool of compile workers costs more than it saves.
     torch._inductor.config.compile_threads = 1
-    gen = torch.Generator().manual_seed(rank)
+    gen = seeded(rank)
     found = {}
     for name, (step, shapes) in _steps(rank, n).items():
         torch._dynamo.reset()
@@ -83,9 +83,13 @@ def _compiled_matches_eager(rank: int, n: int, backend: str) -> dict[str, int]:
             want_grads = torch.autograd.grad(want, args)
             got = compiled(*args)
             got_grads = torch.autograd.grad(got, args)
-            torch.testing.assert_close(got, want, **TOL, msg=lambda m, c=f"{name} {i}": f"{c}: {m}")
+            torch.testing.assert_close(
+                got, want, **COMPILED, msg=lambda m, c=f"{name} {i}": f"{c}: {m}"
+            )
             for g, w in zip(got_grads, want_grads, strict=True):
-                torch.testing.assert_close(g, w, **TOL, msg=lambda m, c=name: f"{c} gradient: {m}")
+                torch.testing.assert_close(
+                    g, w, **COMPILED, msg=lambda m, c=name: f"{c} gradient: {m}"
+                )
             torch._dynamo.config.error_on_recompile = True  # a second compilation raises
         found[name] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         torch._dynamo.utils.counters.clear()

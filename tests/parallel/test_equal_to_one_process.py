@@ -16,13 +16,14 @@ import pytest
 import torch
 
 from distgrad.testing import check_against_single_process
+from tests._support import FLOAT64_ABSOLUTE, leaf
 from tests.parallel import patterns as pt
 
 DT = torch.float64
 
 
 def _randn(*shape: int, seed: int) -> torch.Tensor:
-    return torch.randn(*shape, dtype=DT, generator=torch.Generator().manual_seed(seed))
+    return leaf(seed, *shape, requires_grad=False)  # float64, as DT
 
 
 def _check(fn: object, inputs: dict[str, torch.Tensor], n: int, sizes: list[int], **kw: object):  # type: ignore[no-untyped-def]
@@ -32,8 +33,7 @@ def _check(fn: object, inputs: dict[str, torch.Tensor], n: int, sizes: list[int]
         world_size=n,
         shard_sizes=sizes,
         gradients="summed",
-        rtol=0.0,
-        atol=1e-10,
+        **FLOAT64_ABSOLUTE,
         **kw,  # type: ignore[arg-type]
     )
     assert report.ok, f"{n} ranks, shards {sizes}:\n{report}"

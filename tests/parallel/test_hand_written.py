@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from distgrad.testing import check_against_single_process
+from tests._support import leaf
 from tests.parallel import patterns as pt
 
 DT = torch.float64
@@ -23,7 +24,7 @@ DIFFERS = "the forward pass already differs"
 
 
 def _randn(*shape: int, seed: int) -> torch.Tensor:
-    return torch.randn(*shape, dtype=DT, generator=torch.Generator().manual_seed(seed))
+    return leaf(seed, *shape, requires_grad=False)  # float64, as DT
 
 
 def _rows(n: int, width: int = pt.D_MODEL) -> dict[str, torch.Tensor]:

@@ -18,10 +18,10 @@ import torch.nn.functional as F
 
 from distgrad import parallel as P
 from distgrad.testing import run_on_ranks
+from tests._support import FLOAT64_ABSOLUTE, seeded
 from tests.parallel import patterns as pt
 
 DT = torch.float64
-TOL = {"rtol": 0.0, "atol": 1e-10}
 
 
 def _full_run(model: pt.MLP, x: torch.Tensor, cot: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -32,7 +32,7 @@ def _full_run(model: pt.MLP, x: torch.Tensor, cot: torch.Tensor) -> tuple[torch.
 
 
 def _modules_match_the_mlp(rank: int, n: int, rows: list[int]) -> None:
-    gen = torch.Generator().manual_seed(3)
+    gen = seeded(3)
     x = torch.randn(sum(rows), pt.D_MODEL, dtype=DT, generator=gen)
     cot = torch.randn(sum(rows), pt.D_MODEL, dtype=DT, generator=gen)
     full = pt.MLP()
@@ -49,16 +49,22 @@ def _modules_match_the_mlp(rank: int, n: int, rows: list[int]) -> None:
         inp = (x[mine] if sequence_parallel else x).clone().requires_grad_()
         y = second(F.gelu(first(inp, rows)), rows)
         expected = want[mine] if sequence_parallel else want
-        torch.testing.assert_close(y, expected, **TOL)
+        torch.testing.assert_close(y, expected, **FLOAT64_ABSOLUTE)
         (y * (cot[mine] if sequence_parallel else cot)).sum().backward()
-        torch.testing.assert_close(inp.grad, want_dx[mine] if sequence_parallel else want_dx, **TOL)
-        torch.testing.assert_close(first.weight.grad, full.fc1.weight.grad[cols], **TOL)
-        torch.testing.assert_close(first.bias.grad, full.fc1.bias.grad[cols], **TOL)
-        torch.testing.assert_close(second.weight.grad, full.fc2.weight.grad[:, cols], **TOL)
+        torch.testing.assert_close(
+            inp.grad, want_dx[mine] if sequence_parallel else want_dx, **FLOAT64_ABSOLUTE
+        )
+        torch.testing.assert_close(
+            first.weight.grad, full.fc1.weight.grad[cols], **FLOAT64_ABSOLUTE
+        )
+        torch.testing.assert_close(first.bias.grad, full.fc1.bias.grad[cols], **FLOAT64_ABSOLUTE)
+        torch.testing.assert_close(
+            second.weight.grad, full.fc2.weight.grad[:, cols], **FLOAT64_ABSOLUTE
+        )
         bias = second.bias.grad.clone()
         if objective == "sum":  # a replicated parameter: summed over ranks
             dist.all_reduce(bias)
-        torch.testing.assert_close(bias, full.fc2.bias.grad, **TOL)
+        torch.testing.assert_close(bias, full.fc2.bias.grad, **FLOAT64_ABSOLUTE)
 
 
 def test_parallel_linear_modules_from_an_mlp_give_its_output_and_gradients() -> None:

@@ -27,14 +27,10 @@ import torch.nn.functional as F
 
 from distgrad import parallel as P
 from distgrad.testing import run_on_ranks
+from tests._support import FLOAT64_ABSOLUTE, seeded
 from tests.parallel import patterns as pt
 
 DT = torch.float64
-TOL64 = {"rtol": 0.0, "atol": 1e-10}
-
-
-def _gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
 
 
 def _rows(t: torch.Tensor, sizes: list[int], rank: int, dim: int = 0) -> torch.Tensor:
@@ -48,7 +44,7 @@ def _summed(t: torch.Tensor) -> torch.Tensor:
 
 
 def _deviation(got: torch.Tensor, want: torch.Tensor, what: str, **tol: float) -> float:
-    torch.testing.assert_close(got, want, **(tol or TOL64), msg=lambda m: f"{what}: {m}")
+    torch.testing.assert_close(got, want, **(tol or FLOAT64_ABSOLUTE), msg=lambda m: f"{what}: {m}")
     return float((got - want).detach().abs().max()) if got.numel() else 0.0
 
 
@@ -63,11 +59,11 @@ def _bn_case(rank: int, sizes: list[int], shape: tuple[int, ...], momentum: floa
     )
     with torch.no_grad():
         for p, q in zip(ours.parameters(), theirs.parameters(), strict=True):
-            p.copy_(1 + 0.5 * torch.randn(p.shape, dtype=DT, generator=_gen(3)))
+            p.copy_(1 + 0.5 * torch.randn(p.shape, dtype=DT, generator=seeded(3)))
             q.copy_(p)
     worst = 0.0
     for step in range(3):
-        g = _gen(100 + step)
+        g = seeded(100 + step)
         full = 4.0 * torch.randn(sum(sizes), *shape, dtype=DT, generator=g) + step
         cot = torch.randn(full.shape, dtype=DT, generator=g)
         x = _rows(full, sizes, rank).requires_grad_()
@@ -89,7 +85,7 @@ def _bn_case(rank: int, sizes: list[int], shape: tuple[int, ...], momentum: floa
         theirs.zero_grad()
     ours.eval()
     theirs.eval()
-    full = torch.randn(sum(sizes), *shape, dtype=DT, generator=_gen(9))
+    full = torch.randn(sum(sizes), *shape, dtype=DT, generator=seeded(9))
     with torch.no_grad():
         want = _rows(theirs(full), sizes, rank)
         return max(worst, _deviation(ours(_rows(full, sizes, rank)), want, "eval output"))
@@ -104,7 +100,7 @@ def _bn_plain_case(rank: int, sizes: list[int]) -> float:
     for mode in ("train", "eval"):
         ours.train(mode == "train")
         theirs.train(mode == "train")
-        g = _gen(200)
+        g = seeded(200)
         full = torch.randn(sum(sizes), 3, 2, 2, dtype=DT, generator=g)
         cot = torch.randn(full.shape, dtype=DT, generator=g)
         x, whole = _rows(full, sizes, rank).requires_grad_(), full.clone().requires_grad_()
@@ -142,7 +138,7 @@ def test_sync_batch_norm_matches_torch_batch_norm_on_the_whole_batch(
 def _ring_case(
     rank: int, sizes: list[int], causal: bool, scale: float | None, dtype: torch.dtype, dv: int
 ) -> float:
-    g = _gen(7 + int(causal))
+    g = seeded(7 + int(causal))
     s = sum(sizes)
     q, k = (torch.randn(2, 3, s, 4, dtype=dtype, generator=g) for _ in range(2))
     v = torch.randn(2, 3, s, dv, dtype=dtype, generator=g)
@@ -211,7 +207,7 @@ def _moe_against_dense(rank: int, n: int, sizes: list[int]) -> float:
         (3, 4, [pt.EXPERTS] + [0] * (n - 1), True),
     ]
     for step, (k, capacity, split, normalize) in enumerate(settings):  # sizes change each step
-        g = _gen(40 + step)
+        g = seeded(40 + step)
         full = torch.randn(sum(sizes), pt.D_MODEL, dtype=DT, generator=g)
         cot = torch.randn(full.shape, dtype=DT, generator=g)
         whole = full.clone().requires_grad_()

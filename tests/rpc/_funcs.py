@@ -12,6 +12,7 @@ from torch import Tensor
 
 import distgrad.rpc as dgrpc
 from distgrad.errors import UnknownContextError
+from tests._support import leaf, seeded, sparse_leaf
 
 Call = Callable[..., Any]
 
@@ -61,7 +62,7 @@ _store: dict[str, Tensor] = {}
 
 
 def make_param(name: str, seed: int, shape: tuple[int, ...]) -> dgrpc.RRef[Tensor]:
-    g = torch.Generator().manual_seed(seed)
+    g = seeded(seed)
     _store[name] = torch.randn(*shape, dtype=torch.float64, generator=g, requires_grad=True)
     return dgrpc.RRef(_store[name])
 
@@ -144,7 +145,7 @@ class FailingSGD(torch.optim.SGD):
 
 def drive_loop(mode: str, peer: str) -> float:
     """Run a loop (here -> peer -> here) with its root on this worker; the largest error."""
-    g = torch.Generator().manual_seed(11)
+    g = seeded(11)
     x = torch.randn(3, dtype=torch.float64, generator=g, requires_grad=True)
     v = torch.randn(3, dtype=torch.float64, generator=g)
     me = _me()
@@ -214,8 +215,6 @@ def nested_rref_add(owner: str, rref: Any, t2: Tensor) -> Tensor:
 
 def owned_leaf(seed: int, sparse: bool) -> Tensor:
     """A leaf requiring grad, made on the worker that runs this (an RRef's value)."""
-    from tests.rpc._helpers import leaf, sparse_leaf
-
     return sparse_leaf(seed) if sparse else leaf(seed, 4, 4)
 
 
@@ -321,7 +320,7 @@ def ps_grad_is_right(context_id: int, rref: Any, t2: Tensor) -> bool:
 
 def hammer(mode: str) -> None:
     """Four chained calls to worker0 and a backward (run by many threads at once)."""
-    g = torch.Generator().manual_seed(0)
+    g = seeded(0)
     t1 = torch.rand(3, 3, generator=g, requires_grad=True)
     t2 = torch.rand(3, 3, generator=g, requires_grad=True)
     with dgrpc.context() as context_id:
@@ -345,7 +344,7 @@ class ThreeByThree:
     """A parameter server's module: ``w`` (3x3, from a seeded generator) times the input."""
 
     def __init__(self, requires_grad: bool = True) -> None:
-        g = torch.Generator().manual_seed(0)
+        g = seeded(0)
         self.w = torch.rand((3, 3), requires_grad=requires_grad, generator=g)
 
     def forward(self, t1: Tensor) -> Tensor:
@@ -476,7 +475,7 @@ def conv_stage() -> torch.nn.Module:
     """A seeded float32 convolution stage, made once per worker (its weight gradient is a
     reduction whose last bits depend on the number of intra-op threads)."""
     if not _conv_stage:
-        g = torch.Generator().manual_seed(0)
+        g = seeded(0)
         stage = torch.nn.Sequential(
             torch.nn.Conv2d(4, 8, 3), torch.nn.ReLU(), torch.nn.Conv2d(8, 8, 3), torch.nn.Flatten()
         )
@@ -530,13 +529,9 @@ _server_leaf: list[Tensor] = []
 def server_leaf() -> Tensor:
     """A leaf on the worker that runs this, shared by every call (a parameter server's)."""
     if not _server_leaf:
-        _server_leaf.append(torch.randn(3, 3, dtype=torch.float64, generator=_seeded(7)))
+        _server_leaf.append(torch.randn(3, 3, dtype=torch.float64, generator=seeded(7)))
         _server_leaf[0].requires_grad_(True)
     return _server_leaf[0]
-
-
-def _seeded(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
 
 
 def times_server_leaf(x: Tensor) -> Tensor:

@@ -26,6 +26,7 @@ from torch import Tensor
 
 import distgrad.rpc as dgrpc
 from distgrad.errors import UnknownContextError
+from tests._support import seeded
 
 Program = dict[str, Any]
 
@@ -105,7 +106,7 @@ def run_program(program: Program, inputs: list[Tensor], path: str, local: bool) 
 
 
 def _param(label: str) -> Tensor:
-    g = torch.Generator().manual_seed(zlib.crc32(label.split("|")[1].encode()))
+    g = seeded(zlib.crc32(label.split("|")[1].encode()))
     params[label] = torch.randn(*SHAPE, dtype=torch.float64, generator=g, requires_grad=True)
     return params[label]
 

@@ -1,12 +1,13 @@
-"""Helpers every RPC test uses: seeded leaves, cotangents, tolerances, worker state queries.
+"""What RPC tests share beyond tests/_support.py (seeded leaves, cotangents, tolerances):
+comparing dense or sparse gradients, and asking workers about their state.
 
-Defined once here; test modules import them (never each other). Remote functions live in
-``_funcs`` (module level, so they pickle).
+Test modules import these (never each other). Remote functions live in ``_funcs`` (module
+level, so they pickle).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -15,53 +16,10 @@ from torch.distributed import rpc as torch_rpc
 
 from distgrad.rpc import _identity
 from distgrad.rpc._release import wait_for_releases
+from tests._support import TORCH_FLOAT64
 from tests.rpc import _funcs
 
 MODES = ("fast", "smart")
-
-# float64 everywhere: distributed and local autograd run the same ops in the same order on
-# each worker, so they agree to rounding; these are torch's float64 defaults, stated once.
-RTOL = 1e-7
-ATOL = 1e-7
-# float32 cases (dtype conversions over RPC): torch's float32 defaults.
-RTOL32 = 1.3e-6
-ATOL32 = 1e-5
-
-
-def seeded(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-def leaf(seed: int, *shape: int, requires_grad: bool = True, dtype: Any = torch.float64) -> Tensor:
-    """A leaf tensor with values from a seeded generator."""
-    t = torch.randn(*shape, dtype=dtype, generator=seeded(seed))
-    return t.requires_grad_(requires_grad)
-
-
-def leaves(seed: int, shapes: Sequence[tuple[int, ...]], grad: Sequence[bool]) -> list[Tensor]:
-    g = seeded(seed)
-    return [
-        torch.randn(*s, dtype=torch.float64, generator=g).requires_grad_(r)
-        for s, r in zip(shapes, grad, strict=True)
-    ]
-
-
-def cotangent(seed: int, like: Tensor) -> Tensor:
-    """A random cotangent shaped like ``like`` (never ones: a wrong route must show)."""
-    return torch.randn(like.shape, dtype=like.dtype, generator=seeded(seed))
-
-
-def cotangents(seed: int, outs: Sequence[Tensor]) -> list[Tensor]:
-    g = seeded(seed)
-    return [torch.randn(o.shape, dtype=o.dtype, generator=g) for o in outs]
-
-
-def sparse_leaf(seed: int, requires_grad: bool = True, dtype: Any = torch.float64) -> Tensor:
-    """A 4x4 sparse COO leaf with 3 seeded values (uncoalesced: indices repeat once)."""
-    indices = torch.tensor([[0, 1, 1, 0], [2, 0, 2, 2]])
-    values = torch.randn(4, dtype=dtype, generator=seeded(seed))
-    t = torch.sparse_coo_tensor(indices, values, (4, 4), dtype=dtype, check_invariants=True)
-    return t.requires_grad_(requires_grad)
 
 
 def dense(t: Tensor | None) -> Tensor | None:
@@ -69,11 +27,13 @@ def dense(t: Tensor | None) -> Tensor | None:
 
 
 def assert_close(got: Tensor | None, want: Tensor | None, what: str, **tol: float) -> None:
-    """``got`` equals ``want`` (dense or sparse) within the stated tolerance."""
+    """``got`` equals ``want`` (dense or sparse) within the stated tolerance (default:
+    ``TORCH_FLOAT64``)."""
     assert (got is None) == (want is None), f"{what}: got {got}, want {want}"
     if got is not None and want is not None:
         assert got.is_sparse == want.is_sparse, f"{what}: layouts {got.layout} vs {want.layout}"
-        rtol, atol = tol.get("rtol", RTOL), tol.get("atol", ATOL)
+        rtol = tol.get("rtol", TORCH_FLOAT64["rtol"])
+        atol = tol.get("atol", TORCH_FLOAT64["atol"])
         torch.testing.assert_close(
             dense(got), dense(want), rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}"
         )

@@ -13,6 +13,7 @@ import torch
 import distgrad.rpc as dgrpc
 from distgrad.errors import RpcAutogradError
 from distgrad.testing import run_on_ranks
+from tests import _support as support
 from tests.rpc import _funcs as F
 from tests.rpc import _helpers as H
 
@@ -22,8 +23,8 @@ def _chain4(rank: int, world_size: int) -> None:
         return
     hops = ["worker1", "worker2", "worker3"]
     for mode in H.MODES:
-        x = H.leaf(0, 4)
-        v = H.cotangent(1, x)
+        x = support.leaf(0, 4)
+        v = support.cotangent(1, x)
         (ref,) = torch.autograd.grad((F.chain(x, hops, local=True) * v).sum(), x)
         with dgrpc.context() as cid:
             out = F.chain(x, hops, local=False)
@@ -56,8 +57,8 @@ def _hooks_and_messages(rank: int, world_size: int) -> None:
     if rank != 0:
         return
     for mode in H.MODES:
-        a, b = H.leaf(2, 3, 3), H.leaf(3, 3, 3)
-        v = H.cotangent(4, a)
+        a, b = support.leaf(2, 3, 3), support.leaf(3, 3, 3)
+        v = support.cotangent(4, a)
         # Tensor hooks run on the distributed backward as on the local one (a linear hook).
         with dgrpc.context() as cid:
             handle = a.register_hook(lambda g: g * 3.0)
@@ -99,7 +100,7 @@ def _sent_results_are_not_kept(rank: int, world_size: int) -> None:
     if rank != 0:
         return
     for mode in H.MODES:
-        a, b = H.leaf(7, 64, 64), H.leaf(8, 64, 64)
+        a, b = support.leaf(7, 64, 64), support.leaf(8, 64, 64)
         with dgrpc.context() as cid:
             y = dgrpc.rpc_sync("worker1", F.add_and_watch, args=(a, b))
             # worker1 keeps the graph behind the result it sent, not the result's data.

@@ -21,6 +21,7 @@ from torch.distributed import rpc as torch_rpc
 import distgrad.rpc as dgrpc
 from distgrad.errors import RpcAutogradError, UnknownContextError
 from distgrad.testing import run_on_ranks
+from tests import _support as support
 from tests.rpc import _funcs as F
 from tests.rpc import _helpers as H
 
@@ -96,7 +97,7 @@ def _hooks_and_storage(rank: int, world_size: int) -> None:
 
 
 def _tensor_hooks(mode: str) -> None:  # [test_backward_verify_hooks]
-    t1, t2 = H.leaf(1, 3, 3), H.leaf(2, 3, 3)
+    t1, t2 = support.leaf(1, 3, 3), support.leaf(2, 3, 3)
     t1.register_hook(lambda g: g * 2)
     want = torch.autograd.grad(torch.matmul(t1, t2).sum(), [t1, t2])
     for call in (F.remote_call, F.remote_ref_call):
@@ -117,7 +118,7 @@ def _post_hooks(mode: str) -> None:  # [test_post_hooks]
 
         return hook
 
-    t = H.leaf(3, 10, 10)
+    t = support.leaf(3, 10, 10)
     a = t + t
     a.grad_fn.next_functions[0][0].register_hook(add(1))  # type: ignore[union-attr]
     a.grad_fn.next_functions[0][0].register_hook(add(2))  # type: ignore[union-attr]
@@ -128,7 +129,7 @@ def _post_hooks(mode: str) -> None:  # [test_post_hooks]
         assert list(dgrpc.get_gradients(cid)) == [t]
     # A leaf that was sent: its gradient comes back over RPC, and its post-hook runs once.
     calls[0] = 0
-    u = H.leaf(4, 3)
+    u = support.leaf(4, 3)
     node = (u * 1).grad_fn.next_functions[0][0]  # type: ignore[union-attr]
     node.register_hook(add(1))
     with dgrpc.context() as cid:
@@ -137,7 +138,7 @@ def _post_hooks(mode: str) -> None:  # [test_post_hooks]
 
 
 def _no_copy_where_torch_copies_none(mode: str) -> None:  # [test_no_grad_copy]
-    a, b = H.leaf(5, 5, 6), H.leaf(6, 5, 6)
+    a, b = support.leaf(5, 5, 6), support.leaf(6, 5, 6)
     # An expanded gradient is copied, one buffer handed to two leaves is copied for both.
     with dgrpc.context() as cid:
         dgrpc.backward(cid, [_ExpandedGrad.apply(_SameGrad.apply(a, b))], mode=mode)
@@ -155,7 +156,7 @@ def _no_copy_where_torch_copies_none(mode: str) -> None:  # [test_no_grad_copy]
 
 
 def _no_copy_sparse(mode: str) -> None:  # [test_no_grad_copy_sparse, ..._indices_extra_ref]
-    a, b = H.leaf(7, 10, 3), H.leaf(8, 10, 3)
+    a, b = support.leaf(7, 10, 3), support.leaf(8, 10, 3)
     inputs, offsets = torch.tensor([1, 2, 4, 5, 4, 3, 2, 9]), torch.tensor([0, 4])
     with dgrpc.context() as cid:
         loss = nnf.embedding_bag(_PassGrad.apply(a), inputs, offsets, sparse=True).sum()
@@ -175,8 +176,8 @@ def _no_copy_sparse(mode: str) -> None:  # [test_no_grad_copy_sparse, ..._indice
 
 
 def _user_gradients_are_not_aliased(mode: str) -> None:  # distgrad's own
-    x, z = H.leaf(9, 3, 3), H.leaf(10, 3)
-    v = H.cotangent(11, x)
+    x, z = support.leaf(9, 3, 3), support.leaf(10, 3)
+    v = support.cotangent(11, x)
     with dgrpc.context() as cid:
         y = dgrpc.rpc_sync("worker1", torch.neg, args=(z,))
         # x.view's backward hands back a view of the gradient the user passed in.
@@ -201,7 +202,7 @@ def _accumulation_and_arguments(rank: int, world_size: int) -> None:
 
 
 def _accumulate(mode: str) -> None:  # [test_backward_accumulate_grads, ..._multiple_backward]
-    t1, t2 = H.leaf(11, 3, 3), H.leaf(12, 3, 3)
+    t1, t2 = support.leaf(11, 3, 3), support.leaf(12, 3, 3)
     want = torch.autograd.grad(torch.matmul(t1, t2).sum(), [t1, t2])
     with dgrpc.context() as cid:
         loss = dgrpc.rpc_sync("worker1", torch.matmul, args=(t1, t2)).sum()
@@ -231,7 +232,7 @@ def _full(value: float) -> Tensor:
 
 
 def _dot_grad_untouched(mode: str) -> None:  # [test_backward_no_grad_on_tensor]
-    t1, t2 = H.leaf(13, 3, 3), H.leaf(14, 3, 3)
+    t1, t2 = support.leaf(13, 3, 3), support.leaf(14, 3, 3)
     with dgrpc.context() as cid:
         loss = dgrpc.rpc_sync("worker1", torch.add, args=(t1, t2)).sum()
         dgrpc.backward(cid, [loss], True, mode=mode)
@@ -246,7 +247,7 @@ def _embedding_bag_twice(mode: str) -> None:  # [test_embedding_bag_with_no_grad
     remote_bag = dgrpc.remote("worker1", F.embedding_bag, args=(0,))
     local_bag = F.embedding_bag(0)
     inputs, offsets = torch.tensor([1, 2, 4, 5, 4, 3, 2, 9]), torch.tensor([0, 4])
-    weights = torch.rand(8, generator=H.seeded(15), requires_grad=True)
+    weights = torch.rand(8, generator=support.seeded(15), requires_grad=True)
     local = local_bag(inputs, offsets, weights).sum()
     local.backward(retain_graph=True)
     local.backward()
@@ -261,7 +262,7 @@ def _embedding_bag_twice(mode: str) -> None:  # [test_embedding_bag_with_no_grad
 
 
 def _refused_arguments_leave_the_context_usable(mode: str) -> None:  # [..._invalid_args]
-    t1, t2 = H.leaf(16, 3, 3), H.leaf(17, 3, 3)
+    t1, t2 = support.leaf(16, 3, 3), support.leaf(17, 3, 3)
     with dgrpc.context() as cid:
         out = dgrpc.rpc_sync("worker1", torch.add, args=(t1, t2)).sum()
         with pytest.raises(TypeError, match="roots must be a list"):
@@ -298,7 +299,7 @@ def _owner_side(rank: int, world_size: int) -> None:
 
 
 def _rref_paths(mode: str, sparse: bool) -> None:  # [test_backward_rref, ..._nested]
-    t2 = H.sparse_leaf(21) if sparse else H.leaf(21, 4, 4)
+    t2 = support.sparse_leaf(21) if sparse else support.leaf(21, 4, 4)
     for callee, owner in (("worker1", "worker1"), ("worker1", "worker2")):
         t1 = F.owned_leaf(20, sparse)  # the owner makes the same leaf
         ret = torch.add(t1, t2)
@@ -326,7 +327,10 @@ def _return_value_and_thread_local(mode: str) -> None:
             H.assert_close(got, torch.ones(3, 3, dtype=torch.float64), mode)
     # [test_thread_local_context_id]: the RRef is made outside the context; its value on the
     # owner is a leaf; the fetch inside the context records it.
-    t1, t2 = H.leaf(22, 3, 3, requires_grad=False), H.leaf(23, 3, 3, requires_grad=False)
+    t1, t2 = (
+        support.leaf(22, 3, 3, requires_grad=False),
+        support.leaf(23, 3, 3, requires_grad=False),
+    )
     rref = dgrpc.remote("worker1", F.slow_add, args=(t1, t2))
     with dgrpc.context() as cid:
         dgrpc.backward(cid, [rref.to_here().sum()], mode=mode)
@@ -346,7 +350,7 @@ def _servers_and_trainers(rank: int, world_size: int) -> None:
     for mode in H.MODES:
         for sparse in (False, True):
             rref = dgrpc.RRef(F.owned_leaf(30 + rank, sparse))
-            t2 = H.sparse_leaf(40) if sparse else H.leaf(40, 4, 4)
+            t2 = support.sparse_leaf(40) if sparse else support.leaf(40, 4, 4)
             trainers = [f"worker{(rank + d) % world_size}" for d in (1, 2, 3)]
             futures = [
                 torch_rpc.rpc_async(t, F.trainer, args=(rref.torch_rref, t2, me, mode, sparse))
@@ -383,14 +387,14 @@ def _errors(rank: int, world_size: int) -> None:
     _forward_errors_keep_their_type()
     _torch_rpc_refused_inside_a_context()
     with pytest.raises(RuntimeError, match="could not find autograd context with id 100") as info:
-        dgrpc.backward(100, [H.leaf(1, 1) * 2])  # [test_backward_without_context]
+        dgrpc.backward(100, [support.leaf(1, 1) * 2])  # [test_backward_without_context]
     assert isinstance(info.value, UnknownContextError)
     for w, state in enumerate(H.states(world_size)):
         assert state["passes_in_flight"] == state["smart_passes"] == 0, (w, state)
 
 
 def _error_deep_in_the_chain(mode: str) -> None:  # [test_backward_autograd_engine_error]
-    t1, t2 = H.leaf(50, 3, 3), H.leaf(51, 3, 3)
+    t1, t2 = support.leaf(50, 3, 3), support.leaf(51, 3, 3)
     with dgrpc.context() as cid:
         t3 = F.SimulateBackwardError.apply((t1 + t2) * (t1 + t2))
         val = dgrpc.rpc_sync("worker1", torch.add, args=(t2, t3))
@@ -402,7 +406,7 @@ def _error_deep_in_the_chain(mode: str) -> None:  # [test_backward_autograd_engi
 
 
 def _error_in_a_nested_udf_then_recovery(mode: str) -> None:  # [..._python_udf_error,
-    t1, t2 = H.leaf(52, 3, 3), H.leaf(53, 3, 3)  #  ..._multiple_backward_with_errors]
+    t1, t2 = support.leaf(52, 3, 3), support.leaf(53, 3, 3)  #  ..._multiple_backward_with_errors]
     with dgrpc.context() as cid:
         loss = dgrpc.rpc_sync(
             "worker1", F.nested_udf_with_backward_error, args=(t1, t2, "worker2")
@@ -421,7 +425,9 @@ def _error_in_a_nested_udf_then_recovery(mode: str) -> None:  # [..._python_udf_
 def _forward_errors_keep_their_type() -> None:  # [test_error_in_context]
     with dgrpc.context():
         with pytest.raises(RuntimeError):
-            dgrpc.rpc_sync("worker1", torch.matmul, args=(H.leaf(1, 3, 3), H.leaf(2, 6, 6)))
+            dgrpc.rpc_sync(
+                "worker1", torch.matmul, args=(support.leaf(1, 3, 3), support.leaf(2, 6, 6))
+            )
         with pytest.raises(ValueError, match="told to fail"):
             dgrpc.rpc_sync("worker1", F.raise_value_error, args=("told to fail",))
         with pytest.raises(ValueError, match="told to fail"):

@@ -13,6 +13,7 @@ import distgrad.rpc as dgrpc
 from distgrad.errors import RpcAutogradError, UnknownContextError
 from distgrad.rpc._context import lookup
 from distgrad.testing import run_on_ranks
+from tests import _support as support
 from tests.rpc import _funcs as F
 from tests.rpc import _helpers as H
 
@@ -107,7 +108,7 @@ def _recording(rank: int, world_size: int) -> None:
     for cid in ids:
         with pytest.raises(RuntimeError, match=f"could not find autograd context with id {cid}"):
             lookup(cid)
-    t1, t2 = H.leaf(1, 3, 3), H.leaf(2, 3, 3)
+    t1, t2 = support.leaf(1, 3, 3), support.leaf(2, 3, 3)
     for call in (F.remote_call, F.remote_ref_call):
         for fn in (torch.add, F.py_add):
             with dgrpc.context() as cid:
@@ -153,7 +154,7 @@ def _torch_signature(rank: int, world_size: int, rendezvous: str) -> float:
     dgrpc.init_rpc(f"worker{rank}", backend, rank, world_size, options)
     grad = 0.0
     if rank == 0:
-        x = H.leaf(1, 3)
+        x = support.leaf(1, 3)
         with dgrpc.context() as cid:
             y = dgrpc.rpc_sync("worker1", torch.mul, args=(x, x))
             dgrpc.backward(cid, [y.sum()], False)  # torch's positional retain_graph
@@ -172,7 +173,7 @@ def test_init_rpc_takes_torch_s_positional_signature(tmp_path: Any) -> None:
 def _releases_ride_on_calls(rank: int, world_size: int) -> None:
     if rank != 0:
         return
-    x = H.leaf(3, 2)
+    x = support.leaf(3, 2)
     before = [s["release_messages_sent"] for s in H.states(world_size)]
     steps = 30
     for _ in range(steps):  # A -> B -> C: B forwards each release to C on its next call there

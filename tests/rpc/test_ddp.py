@@ -25,6 +25,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import distgrad.rpc as dgrpc
 from distgrad.errors import RpcAutogradError
 from distgrad.testing import run_on_ranks
+from tests._support import seeded
 from tests.rpc import _funcs as F
 from tests.rpc import _helpers as H
 
@@ -48,7 +49,7 @@ class _Head(nn.Module):
     def __init__(self, rpc: Any = None) -> None:
         super().__init__()
         self.rpc = rpc
-        g = torch.Generator().manual_seed(3)
+        g = seeded(3)
         self.fc1 = nn.Linear(4, 8)
         self.fc2 = nn.Linear(8, 3)
         self.spare = nn.Linear(8, 3)
@@ -80,7 +81,7 @@ def _step(
     head's gradients in the context, the server's, and whether .grad stayed untouched."""
     engine: Any = torch_autograd if mode is None else dgrpc
     rpc: Any = torch_rpc if mode is None else dgrpc
-    g = torch.Generator().manual_seed(100 * rank + step)
+    g = seeded(100 * rank + step)
     indices = torch.randint(0, 16, (6,), generator=g)
     offsets = torch.tensor([0, 2, 4])
     cot = torch.randn(3, 3, generator=g)
@@ -163,7 +164,7 @@ def _refusals(rank: int, world_size: int, store_dir: str) -> None:
     dist.init_process_group("gloo", store=store, rank=rank - 1, world_size=2)
     try:
         ddp = _wrap({}, dist.group.WORLD, "fast")
-        rows = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))
+        rows = torch.randn(3, 4, generator=seeded(rank))
         for mode in H.MODES:
             # a second backward over one forward: DDP reduces once per forward
             with dgrpc.context() as cid:

@@ -18,6 +18,7 @@ import torch
 import distgrad.rpc as dgrpc
 from distgrad.errors import RankFailedError, RpcAutogradError
 from distgrad.testing import run_on_ranks
+from tests import _support as support
 from tests.rpc import _funcs as F
 from tests.rpc import _helpers as H
 
@@ -26,7 +27,7 @@ def _killed_mid_backward(rank: int, world_size: int, mode: str) -> None:
     if rank != 0:
         time.sleep(20)  # worker1 dies in backward; worker2 waits to be killed by the harness
         return
-    x = H.leaf(1, 3)
+    x = support.leaf(1, 3)
     with dgrpc.context() as cid:
         y = dgrpc.rpc_sync("worker1", F.killed_in_backward, args=(x,))
         z = dgrpc.rpc_sync("worker2", torch.exp, args=(x,))
@@ -53,7 +54,7 @@ def _root_dies(
     rank: int, world_size: int, mode: str = "fast", delay: float = 0.3, work: float = 1.5
 ) -> None:
     if rank == 0:
-        x = H.leaf(2, 3)
+        x = support.leaf(2, 3)
         with dgrpc.context() as cid:
             y = dgrpc.rpc_sync("worker1", F.slow_in_backward, args=(x, work))
             F.kill_me_after(delay)  # while worker1 runs its backward
@@ -121,7 +122,7 @@ def test_a_dead_root_s_context_is_released_in_every_one_of_20_runs(mode: str) ->
 def _raises(rank: int, world_size: int) -> None:
     if rank != 0:
         return
-    x = H.leaf(3, 3)
+    x = support.leaf(3, 3)
     for mode in H.MODES:
         start = time.monotonic()
         with dgrpc.context(), pytest.raises(ValueError, match="told to fail"):
@@ -141,7 +142,7 @@ def test_remote_raises_in_forward_and_backward_reach_the_root_fast_and_leave_not
 def _thousand_contexts(rank: int, world_size: int) -> None:
     if rank != 0:
         return
-    x = H.leaf(4, 2)
+    x = support.leaf(4, 2)
     for i in range(1000):
         with dgrpc.context() as cid:
             y = dgrpc.rpc_sync(f"worker{1 + i % 2}", torch.mul, args=(x, x))

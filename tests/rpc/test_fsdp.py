@@ -30,6 +30,7 @@ from torch.distributed.fsdp import fully_shard
 import distgrad.rpc as dgrpc
 from distgrad.errors import RpcAutogradError
 from distgrad.testing import run_on_ranks
+from tests._support import seeded
 from tests.rpc import _funcs as F
 from tests.rpc import _helpers as H
 
@@ -41,7 +42,7 @@ class _Head(nn.Module):
     def __init__(self, rpc: Any = None) -> None:
         super().__init__()
         self.rpc = rpc
-        g = torch.Generator().manual_seed(3)
+        g = seeded(3)
         self.fc1 = nn.Linear(4, 8)
         self.fc2 = nn.Linear(8, 3)
         with torch.no_grad():
@@ -63,7 +64,7 @@ def _sharded(rpc: Any = None) -> nn.Module:
 
 
 def _inputs(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(100 * rank + step)
+    g = seeded(100 * rank + step)
     indices = torch.randint(0, 16, (6,), generator=g)
     return indices, torch.tensor([0, 2, 4]), torch.randn(3, 3, generator=g)
 
@@ -160,7 +161,7 @@ def _refusals(rank: int, world_size: int, store_dir: str) -> None:
     store = dist.FileStore(str(Path(store_dir) / "fsdp"), 2)  # type: ignore[attr-defined]
     dist.init_process_group("gloo", store=store, rank=rank - 1, world_size=2)
     try:
-        rows = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))
+        rows = torch.randn(3, 4, generator=seeded(rank))
         again = "again after FSDP2 had reduce-scattered"
         for mode in H.MODES:
             # the module's own forward makes an RPC: FSDP2 reduces at the end of the engine

@@ -20,6 +20,7 @@ from torch import Tensor
 
 import distgrad.rpc as dgrpc
 from distgrad.testing import run_on_ranks
+from tests import _support as support
 from tests.rpc import _funcs as F
 from tests.rpc import _helpers as H
 from tests.rpc import _scripted as S
@@ -41,11 +42,11 @@ class Case:
 
 
 def _dense(*grad: bool, shape: tuple[int, ...] = (3, 3)) -> Callable[[int], list[Tensor]]:
-    return lambda seed: H.leaves(seed, [shape] * len(grad), grad)
+    return lambda seed: support.leaves(seed, [shape] * len(grad), grad)
 
 
 def _sparse(*grad: bool) -> Callable[[int], list[Tensor]]:
-    return lambda seed: [H.sparse_leaf(seed + i, requires_grad=g) for i, g in enumerate(grad)]
+    return lambda seed: [support.sparse_leaf(seed + i, requires_grad=g) for i, g in enumerate(grad)]
 
 
 def _ssum(t: Tensor) -> Tensor:
@@ -165,7 +166,7 @@ def modified_after_send(call: F.Call, x: list[Tensor]) -> list[Tensor]:
     return [y, h * x[2]]
 
 
-TOL32 = {"rtol": H.RTOL32, "atol": H.ATOL32}
+TOL32 = support.TORCH_FLOAT32
 CASES: dict[str, Case] = {
     "simple": Case(simple, _dense(True, True), ("sync", "remote", "async")),
     "simple_self": Case(simple_self, _dense(True, True), ("sync", "remote")),
@@ -174,17 +175,17 @@ CASES: dict[str, Case] = {
     "round_trips": Case(round_trips, _dense(True, False, True, False, True), ("sync", "remote")),
     "tensor_dims": Case(
         tensor_dims,
-        lambda s: H.leaves(s, [(4, 6), (6, 5), (5, 7), (7, 9)], [True, False, True, False]),
+        lambda s: support.leaves(s, [(4, 6), (6, 5), (5, 7), (7, 9)], [True, False, True, False]),
         ("sync", "remote"),
     ),
     "unused_tensors": Case(unused_tensors, _dense(True, True, True), ("sync", "remote")),
     "output_tensors": Case(
-        output_tensors, lambda s: H.leaves(s, [(10, 2)], [True]), ("sync", "remote")
+        output_tensors, lambda s: support.leaves(s, [(10, 2)], [True]), ("sync", "remote")
     ),
     "multiple_roots": Case(multiple_roots, _dense(True, True)),
     "dtypes": Case(
         dtypes,
-        lambda s: [H.leaf(s, 3, 3, dtype=torch.float32), H.leaf(s + 1, 3, 3)],
+        lambda s: [support.leaf(s, 3, 3, dtype=torch.float32), support.leaf(s + 1, 3, 3)],
         ("sync", "remote"),
         TOL32,
     ),
@@ -199,7 +200,7 @@ CASES: dict[str, Case] = {
     "round_trips_sparse": Case(round_trips, _sparse(True, False, True, False, True)),
     "dtypes_sparse": Case(
         dtypes,
-        lambda s: [H.sparse_leaf(s, dtype=torch.float32), H.sparse_leaf(s + 1)],
+        lambda s: [support.sparse_leaf(s, dtype=torch.float32), support.sparse_leaf(s + 1)],
         ("remote",),
         TOL32,
     ),
@@ -217,7 +218,7 @@ CASES: dict[str, Case] = {
 def _reference(case: Case, xs: list[Tensor], seed: int) -> list[Tensor | None]:
     outs = case.body(F.local_call, xs)
     wanted = [x for x in xs if x.requires_grad]
-    got = iter(torch.autograd.grad(outs, wanted, H.cotangents(seed, outs), allow_unused=True))
+    got = iter(torch.autograd.grad(outs, wanted, support.cotangents(seed, outs), allow_unused=True))
     return [next(got) if x.requires_grad else None for x in xs]
 
 
@@ -226,7 +227,7 @@ def _distributed(
 ) -> list[Tensor | None]:
     with dgrpc.context() as context_id:
         outs = case.body(call, xs)
-        v = H.cotangents(seed, outs)
+        v = support.cotangents(seed, outs)
         dgrpc.backward(context_id, outs, retain, grad_tensors=v, mode=mode)  # type: ignore[arg-type]
         if retain:  # a second pass accumulates
             dgrpc.backward(context_id, outs, grad_tensors=v, mode=mode)  # type: ignore[arg-type]

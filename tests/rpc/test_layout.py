@@ -1,8 +1,10 @@
-"""The layout of ``distgrad.rpc``: every import points down, and the layers stay apart.
+"""The layout of ``distgrad.rpc``: every import points down the layers declared here, and
+the layers stay apart.
 
 Reads the package's imports with ``ast`` (imports inside functions count too) and fails on
-any circle. ``from distgrad.rpc import name`` counts as importing submodule ``name`` when there
-is one, and the package itself (whose ``__init__`` imports everything) otherwise.
+any circle and on any import upward or across the areas of one layer. ``from distgrad.rpc
+import name`` counts as importing submodule ``name`` when there is one, and the package itself
+(whose ``__init__`` imports everything) otherwise.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import distgrad.rpc
-from tests.import_graph import Graph, find_cycle, import_graph
+from tests.import_graph import Graph, Layers, find_cycle, import_graph, init_named, layer_violations
 
 PACKAGE = "distgrad.rpc"
 ROOT = Path(distgrad.rpc.__file__).parent
@@ -24,6 +26,44 @@ def _graph() -> Graph:
 
 def _cycle(graph: Graph) -> list[str] | None:
     return find_cycle(graph)
+
+
+# Bottom first; a module imports only from lower layers or its own area (the inner lists).
+# docs/rpc.md's table "Inside distgrad.rpc" says what each module holds.
+LAYERS: Layers = [
+    # Pure: who this worker is, the records, how gradients are stored; torch's RPC names.
+    [
+        [f"{PACKAGE}._identity"],
+        [f"{PACKAGE}._records"],
+        [f"{PACKAGE}._storage"],
+        [f"{PACKAGE}.functions"],
+    ],
+    # One dataclass per message; the one door to torch's RPC; DDP/FSDP2 bookkeeping.
+    [[f"{PACKAGE}._wire"], [f"{PACKAGE}._transport"], [f"{PACKAGE}._reductions"]],
+    [[f"{PACKAGE}._context"]],  # the context object and the registry
+    # What uses a context: recording sends and recvs, a worker's part of a pass, releases,
+    # the watchdog, the DDP and FSDP2 hooks.
+    [
+        [f"{PACKAGE}.send_recv"],
+        [f"{PACKAGE}._pass"],
+        [f"{PACKAGE}._release"],
+        [f"{PACKAGE}._liveness"],
+        [f"{PACKAGE}._ddp"],
+        [f"{PACKAGE}._fsdp"],
+    ],
+    # Calling torch's engine; init_rpc and shutdown; the public with-block.
+    [[f"{PACKAGE}._local"], [f"{PACKAGE}._lifecycle"], [f"{PACKAGE}.scope"]],
+    [[f"{PACKAGE}.fast"], [f"{PACKAGE}._lineage", f"{PACKAGE}.smart"]],  # the two modes
+    [[f"{PACKAGE}.backward"]],  # picks the mode
+    [[f"{PACKAGE}.calls"]],  # rpc_sync, rpc_async, remote, RRef
+    [[f"{PACKAGE}.optimizer"], [f"{PACKAGE}.remote_module"]],
+    [[f"{PACKAGE}.__init__"]],  # the public surface
+]
+
+
+def test_every_import_points_down_the_declared_layers() -> None:
+    violations = layer_violations(init_named(_graph(), PACKAGE), LAYERS)
+    assert not violations, "\n".join(violations)
 
 
 def test_no_import_circle_in_distgrad_rpc() -> None:

@@ -9,6 +9,7 @@ from torch.distributed import rpc as torch_rpc
 
 import distgrad.rpc as dgrpc
 from distgrad.testing import run_on_ranks
+from tests import _support as support
 from tests.rpc import _funcs as F
 from tests.rpc import _helpers as H
 
@@ -30,8 +31,8 @@ def _names(rank: int, world_size: int) -> None:
 
 def _proxies(mode: str) -> None:
     """[torch's test_rref_proxy_*] Each proxy kind, and a method marked async_execution."""
-    x = H.leaf(1, 3, 3)
-    v = H.cotangent(2, x)
+    x = support.leaf(1, 3, 3)
+    v = support.cotangent(2, x)
     server = dgrpc.remote("worker1", F.ThreeByThree)
     scaler = dgrpc.remote("worker2", F.AsyncScaler)
     with dgrpc.context() as cid:
@@ -50,7 +51,7 @@ def _proxies(mode: str) -> None:
     xx = x.detach().requires_grad_()
     loss = ((3 * torch.mm(w, xx.float())) * v).sum() + (xx[0] * s).sum()
     want_x, want_w, want_s = torch.autograd.grad(loss, [xx, w, s])
-    tol = {"rtol": H.RTOL32, "atol": H.ATOL32}  # float32 products
+    tol = support.TORCH_FLOAT32  # float32 products
     H.assert_close(got_x, want_x, f"{mode}: x", **tol)
     H.assert_close(got_w, want_w, f"{mode}: server's w", **tol)
     H.assert_close(got_s, want_s, f"{mode}: scaler's w")
@@ -59,8 +60,8 @@ def _proxies(mode: str) -> None:
 def _async_function(mode: str) -> None:
     """[torch's test_async_function_*] A function marked async_execution whose future's value
     requires grad (made by a nested call and a callback): the gradient reaches the caller."""
-    x, y = H.leaf(3, 4), H.leaf(4, 4)
-    v = H.cotangent(5, x)
+    x, y = support.leaf(3, 4), support.leaf(4, 4)
+    v = support.cotangent(5, x)
     with dgrpc.context() as cid:
         out = dgrpc.rpc_sync("worker1", F.async_double_add, args=("worker2", x, y))
         dgrpc.backward(cid, [(out * v).sum()], mode=mode)  # type: ignore[arg-type]
@@ -73,7 +74,7 @@ def _async_function(mode: str) -> None:
 def _rref_backward(mode: str) -> None:
     """[torch's test_rref_backward*] RRef.backward in a context reaches the caller's leaves;
     with no context it is a local backward on the owner."""
-    x = H.leaf(6, 5)
+    x = support.leaf(6, 5)
     with dgrpc.context() as cid:
         rref = dgrpc.remote("worker1", F.squared_sum, args=(x,))
         rref.backward(cid, mode=mode)
@@ -88,8 +89,8 @@ def _remote_module(mode: str) -> None:
     """[torch's RemoteModule tests, the parts distgrad offers] forward and forward_async run
     on the module's worker, recorded; its parameters get local autograd's gradients."""
     layer = dgrpc.RemoteModule("worker1/cpu", F.seeded_linear, args=(9,))
-    x = H.leaf(7, 3, 4)
-    v = H.cotangent(8, torch.empty(3, 2, dtype=torch.float64))
+    x = support.leaf(7, 3, 4)
+    v = support.cotangent(8, torch.empty(3, 2, dtype=torch.float64))
     with dgrpc.context() as cid:
         y = layer(x) + layer.forward_async(x).wait()
         dgrpc.backward(cid, [(y * v).sum()], mode=mode)  # type: ignore[arg-type]

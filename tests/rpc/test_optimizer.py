@@ -15,6 +15,7 @@ import torch
 import distgrad.rpc as dgrpc
 from distgrad.errors import RpcAutogradError
 from distgrad.testing import run_on_ranks
+from tests import _support as support
 from tests.rpc import _funcs as F
 from tests.rpc import _helpers as H
 
@@ -47,7 +48,7 @@ def _torch_case(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any], mode: 
         local1, local2 = F.ThreeByThree(), F.ThreeByThree(second_requires_grad)
         params = [p for p in (local1.w, local2.w) if p.requires_grad]
         local_optim = cls(params, **kwargs)
-        g = torch.Generator().manual_seed(0)
+        g = support.seeded(0)
         t1 = torch.rand((3, 3), requires_grad=True, generator=g)
         t2 = torch.rand((3, 3), requires_grad=True, generator=g)
         torch.add(local2.forward(local1.forward(t2)), t1).sum().backward()
@@ -76,8 +77,8 @@ def _torch_case(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any], mode: 
 
 def _several_steps(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any], mode: str) -> None:
     """Three steps; a local parameter that gets no gradient stays untouched."""
-    x, v = H.leaf(10, 4, 3, requires_grad=False), H.leaf(11, 4, 2, requires_grad=False)
-    p_remote, w_local, unused = H.leaf(1, 3, 5), H.leaf(2, 5, 2), H.leaf(3, 2)
+    x, v = support.leaf(10, 4, 3, requires_grad=False), support.leaf(11, 4, 2, requires_grad=False)
+    p_remote, w_local, unused = support.leaf(1, 3, 5), support.leaf(2, 5, 2), support.leaf(3, 2)
     ref_opt = cls([p_remote, w_local, unused], **kwargs)
     for _ in range(3):
         ref_opt.zero_grad()
@@ -85,7 +86,7 @@ def _several_steps(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any], mod
         ref_opt.step()
     name = f"p_{cls.__name__}_{mode}"
     rref = dgrpc.rpc_sync("worker1", F.make_param, args=(name, 1, (3, 5)))
-    w, u = H.leaf(2, 5, 2), H.leaf(3, 2)
+    w, u = support.leaf(2, 5, 2), support.leaf(3, 2)
     u0 = u.detach().clone()
     opt = dgrpc.DistributedOptimizer(cls, [rref, dgrpc.RRef(w), dgrpc.RRef(u)], **kwargs)
     for _ in range(3):
@@ -103,7 +104,7 @@ def _sparse_parameter_server(cls: type[torch.optim.Optimizer], mode: str) -> Non
     """An EmbeddingBag(sparse=True) on worker1 trained from here: the sparse gradients reach
     its owner and its optimizer as a local training loop's would."""
     inputs, offsets = torch.tensor([1, 2, 4, 5, 4, 3, 2, 9]), torch.tensor([0, 4])
-    target = H.leaf(12, 2, 4, requires_grad=False).float()
+    target = support.leaf(12, 2, 4, requires_grad=False).float()
     local = F.embedding_bag(0)
     local_opt = cls(local.parameters(), lr=0.1)
     for _ in range(3):

@@ -22,6 +22,7 @@ from torch import Tensor
 
 import distgrad.rpc as dgrpc
 from distgrad.testing import run_on_ranks
+from tests import _support as support
 from tests.rpc import _funcs as F
 from tests.rpc import _graphs as G
 from tests.rpc import _helpers as H
@@ -40,7 +41,7 @@ def _local(program: G.Program, xs: list[Tensor], seed: int) -> dict[str, Tensor 
     roots = _roots(program, xs, run, local=True)
     made = {k: p for k, p in G.params.items() if k.startswith(run)}
     wanted = [*xs, *made.values()]
-    got = torch.autograd.grad(roots, wanted, H.cotangents(seed, roots), allow_unused=True)
+    got = torch.autograd.grad(roots, wanted, support.cotangents(seed, roots), allow_unused=True)
     names = [f"x{i}" for i in range(len(xs))] + [k.split("|")[1] for k in made]
     return dict(zip(names, got, strict=True))
 
@@ -54,7 +55,9 @@ def _distributed(
         roots = _roots(program, xs, run, local=False)
         for i in range(passes):
             retain = i < passes - 1
-            dgrpc.backward(cid, roots, retain, grad_tensors=H.cotangents(seed, roots), mode=mode)
+            dgrpc.backward(
+                cid, roots, retain, grad_tensors=support.cotangents(seed, roots), mode=mode
+            )
         mine = dgrpc.get_gradients(cid)
         grads.update({f"x{i}": mine.get(x) for i, x in enumerate(xs)})
         calls: collections.Counter[str] = collections.Counter()
@@ -74,7 +77,7 @@ def _check(rank: int, world_size: int, seeds: list[int]) -> dict[str, int]:
     seen: collections.Counter[str] = collections.Counter()
     for seed in seeds:
         program = G.make_program(random.Random(seed), workers, depth=3, n_inputs=3)
-        xs = [H.leaf(seed * 10 + i, *G.SHAPE) for i in range(3)]
+        xs = [support.leaf(seed * 10 + i, *G.SHAPE) for i in range(3)]
         want = _local(program, xs, seed)
         local_calls = {k.split("|")[1]: c for k, c in G.counts(f"{seed}.local").items()}
         # Every other program: no send carries its lineage, so SMART asks for all of it.

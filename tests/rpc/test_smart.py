@@ -10,6 +10,7 @@ import torch
 
 import distgrad.rpc as dgrpc
 from distgrad.testing import run_on_ranks
+from tests import _support as support
 from tests.rpc import _funcs as F
 from tests.rpc import _helpers as H
 
@@ -25,8 +26,8 @@ def _lineage_sent() -> int:
 def _smart(rank: int, world_size: int) -> None:
     if rank != 0:
         return
-    x, y = H.leaf(0, 3), H.leaf(1, 3)
-    v = H.leaf(2, 3, requires_grad=False)
+    x, y = support.leaf(0, 3), support.leaf(1, 3)
+    v = support.leaf(2, 3, requires_grad=False)
 
     # Unused outputs and a worker that no path from the root reaches: worker2 gets nothing.
     ref_x, ref_y = torch.autograd.grad((torch.mul(x, y) * v).sum(), (x, y))
@@ -82,7 +83,7 @@ def _smart(rank: int, world_size: int) -> None:
 def _lineage_carried_or_asked(rank: int, world_size: int) -> None:
     if rank != 0:
         return
-    x = H.leaf(3, 3)
+    x = support.leaf(3, 3)
     for ops, queries in ((3, 0), (100, 1)):  # a lineage too large to carry is asked for
         (ref,) = torch.autograd.grad(F.deep(x * 2.0, ops).sum(), x)
         before = _lineage_sent()

@@ -8,7 +8,7 @@ import torch
 
 from distgrad.rpc._storage import GradientStore
 from distgrad.rpc._wire import GradientMessage, Reply
-from tests.rpc import _helpers as H
+from tests import _support as support
 
 
 def _ptr(t: torch.Tensor) -> int:
@@ -16,14 +16,14 @@ def _ptr(t: torch.Tensor) -> int:
 
 
 def test_a_gradient_of_its_own_is_kept_without_a_copy() -> None:
-    x, g = H.leaf(1, 3, 4), torch.ones(3, 4, dtype=torch.float64)
+    x, g = support.leaf(1, 3, 4), torch.ones(3, 4, dtype=torch.float64)
     store = GradientStore()
     store.add_all([(x, g)])
     assert store.get(x) is g
 
 
 def test_an_expanded_gradient_is_copied_and_laid_out_like_its_tensor() -> None:
-    x = H.leaf(1, 4, 3).t()  # strides (1, 3): the gradient takes them, as .grad does
+    x = support.leaf(1, 4, 3).t()  # strides (1, 3): the gradient takes them, as .grad does
     store = GradientStore()
     store.add_all([(x, torch.ones(1, dtype=torch.float64).expand(3, 4))])
     got = store.get(x)
@@ -32,7 +32,7 @@ def test_an_expanded_gradient_is_copied_and_laid_out_like_its_tensor() -> None:
 
 
 def test_one_buffer_for_two_leaves_is_copied_for_both() -> None:
-    a, b = H.leaf(1, 3), H.leaf(2, 3)
+    a, b = support.leaf(1, 3), support.leaf(2, 3)
     g = torch.ones(3, dtype=torch.float64)
     store = GradientStore()
     store.add_all([(a, g), (b, g)])
@@ -42,7 +42,7 @@ def test_one_buffer_for_two_leaves_is_copied_for_both() -> None:
 
 
 def test_memory_shared_with_a_stored_gradient_or_the_user_is_copied() -> None:
-    a, b, c = H.leaf(1, 3), H.leaf(2, 3), H.leaf(3, 3)
+    a, b, c = support.leaf(1, 3), support.leaf(2, 3), support.leaf(3, 3)
     g, user = torch.ones(3, dtype=torch.float64), torch.full((3,), 2.0, dtype=torch.float64)
     store = GradientStore()
     store.add_all([(a, g)])
@@ -54,7 +54,7 @@ def test_memory_shared_with_a_stored_gradient_or_the_user_is_copied() -> None:
 
 
 def test_a_second_gradient_is_added_out_of_place() -> None:
-    x = H.leaf(1, 3)
+    x = support.leaf(1, 3)
     first, second = torch.ones(3, dtype=torch.float64), torch.full((3,), 2.0, dtype=torch.float64)
     store = GradientStore()
     store.add_all([(x, first)])
@@ -69,14 +69,14 @@ def _sparse(indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
 
 
 def test_sparse_gradients_keep_their_layout_and_only_contiguous_ones_are_kept() -> None:
-    x = H.leaf(1, 10, 3)
+    x = support.leaf(1, 10, 3)
     kept = _sparse(torch.tensor([[1, 2]]), torch.ones(2, 3, dtype=torch.float64))
     values = torch.ones(1, 3, dtype=torch.float64).expand(4, 3)
     expanded = _sparse(torch.ones(1, 1, dtype=torch.long).expand(1, 4), values)
     store = GradientStore()
     store.add_all([(x, kept)])
     assert store.get(x) is kept
-    y = H.leaf(2, 10, 3)
+    y = support.leaf(2, 10, 3)
     store.add_all([(y, expanded)])
     got = store.get(y)
     assert got is not None and got.is_sparse and got._values().is_contiguous()

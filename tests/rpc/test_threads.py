@@ -18,6 +18,7 @@ import distgrad.rpc as dgrpc
 from distgrad.rpc import _transport
 from distgrad.rpc._wire import GradientMessage
 from distgrad.testing import run_on_ranks
+from tests import _support as support
 from tests.rpc import _funcs as F
 from tests.rpc import _helpers as H
 
@@ -72,7 +73,7 @@ def test_serializing_on_many_threads_while_collecting() -> None:
 def _thread_count(rank: int, world_size: int, threads: int) -> None:
     if rank != 0:
         return
-    g = torch.Generator().manual_seed(1)
+    g = support.seeded(1)
     x = torch.randn(16, 4, 24, 24, generator=g, requires_grad=True)
     # Every RPC thread of worker1 runs a forward at 2 threads first: OpenMP then keeps 2 on
     # those threads whatever the process sets later; torch's engine threads start later.
@@ -88,13 +89,13 @@ def _thread_count(rank: int, world_size: int, threads: int) -> None:
     assert H.query("worker1", F.set_threads, threads) == threads
     with torch_autograd.context() as cid:
         y = torch_rpc.rpc_sync("worker1", F.run_conv_stage, args=(x,))
-        torch_autograd.backward(cid, [(y * H.cotangent(2, y)).sum()])
+        torch_autograd.backward(cid, [(y * support.cotangent(2, y)).sum()])
         want = H.query("worker1", F.conv_stage_grads, cid, True)
         want.append(torch_autograd.get_gradients(cid)[x])
     for mode in H.MODES:
         with dgrpc.context() as cid:
             y = dgrpc.rpc_sync("worker1", F.run_conv_stage, args=(x,))
-            dgrpc.backward(cid, [(y * H.cotangent(2, y)).sum()], mode=mode)
+            dgrpc.backward(cid, [(y * support.cotangent(2, y)).sum()], mode=mode)
             got = H.query("worker1", F.conv_stage_grads, cid, False)
             got.append(dgrpc.get_gradients(cid)[x])
         for i, (a, b) in enumerate(zip(got, want, strict=True)):
@@ -161,8 +162,8 @@ def _shared_leaves(rank: int, world_size: int, seconds: float) -> None:
 
 
 def _share_leaves_for(mode: str, deadline: float) -> None:
-    w = H.leaf(3, 3, 3)
-    s = H.leaf(7, 3, 3, requires_grad=False)  # the value of F.server_leaf
+    w = support.leaf(3, 3, 3)
+    s = support.leaf(7, 3, 3, requires_grad=False)  # the value of F.server_leaf
     errors: list[BaseException] = []
     rounds: list[int] = []
 
@@ -177,8 +178,8 @@ def _share_leaves_for(mode: str, deadline: float) -> None:
                     dgrpc.backward(cid, [z.sum()], mode=mode)  # type: ignore[arg-type]
                     got = dgrpc.get_gradients(cid)[w]
                     server = H.query("worker1", F.server_leaf_grad, cid)
-                torch.testing.assert_close(got, 2 * w.detach() * s, rtol=0, atol=0)
-                torch.testing.assert_close(server, (w * w).detach(), rtol=0, atol=0)
+                torch.testing.assert_close(got, 2 * w.detach() * s, **support.EXACT)
+                torch.testing.assert_close(server, (w * w).detach(), **support.EXACT)
                 done += 1
             rounds.append(done)
         except BaseException as exc:  # reported below

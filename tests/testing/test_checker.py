@@ -19,11 +19,12 @@ from distgrad.errors import (
     RankFailedError,
 )
 from distgrad.testing import GradReport, check_against_single_process
+from tests._support import seeded
 from tests.testing import losses_to_check as L
 
 
 def _batch(rows: int = 6) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(0)
+    gen = seeded(0)
     return {
         "q": torch.randn(rows, 4, dtype=torch.float64, generator=gen),
         "k": torch.randn(rows, 4, dtype=torch.float64, generator=gen),

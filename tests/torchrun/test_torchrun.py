@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests._support import FLOAT64
 from tests.torchrun import train
 
 SCRIPT = Path(train.__file__)
@@ -114,6 +115,4 @@ def test_ddp_training_launched_by_torchrun_on_two_nodes_equals_one_process(
         got = torch.load(tmp_path / f"rank{rank}.pt")
         assert got.keys() == expected.keys()
         for name, value in expected.items():
-            torch.testing.assert_close(
-                got[name], value, rtol=1e-10, atol=1e-12, msg=f"rank {rank} {name}"
-            )
+            torch.testing.assert_close(got[name], value, **FLOAT64, msg=f"rank {rank} {name}")

@@ -1,16 +1,67 @@
-"""The whole package's imports point one way: no module imports, even inside a function, a
-module that imports it back (directly or through others). ``distgrad.rpc`` has its own,
-stricter layer test (tests/rpc/test_layout.py); both read the graph with tests/import_graph.py.
+"""The whole package's imports point one way: down the layers declared here, and no module
+imports, even inside a function, a module that imports it back (directly or through others).
+``distgrad.rpc`` is one area of one layer here; tests/rpc/test_layout.py keeps its inside in
+order. Both read the graph with tests/import_graph.py.
 """
 
 from __future__ import annotations
 
-from tests.import_graph import find_cycle, import_graph, module_files
+from tests.import_graph import (
+    Graph,
+    Layers,
+    find_cycle,
+    import_graph,
+    init_named,
+    layer_violations,
+    module_files,
+    placement,
+)
+
+# Bottom first. A module imports only from lower layers or from its own area (the inner
+# lists): the areas of one layer are independent of each other. Read from the real imports.
+LAYERS: Layers = [
+    # Standard library and torch only: the error tree, liveness sockets, op definitions.
+    [["distgrad.errors"], ["distgrad._alive"], ["distgrad._library"]],
+    [["distgrad._group"]],  # groups, ranks, sizes; forgetting destroyed groups
+    [["distgrad._wait"]],  # how a rank waits: ticks, dead peers, errors that say where
+    # The data guard past the checked calls: tags that travel in the data's own buffers.
+    [["distgrad._guard"]],
+    [["distgrad._comm"]],  # raw out-of-place communication: every backend quirk
+    # The checked calls' metadata and debug mode; the torch.library ops.
+    [["distgrad._meta"], ["distgrad._ops"]],
+    [["distgrad.collectives"]],  # the differentiable ops, one file per adjoint pair
+    # Built on the collectives; rpc stands beside them (it needs only the errors).
+    [["distgrad.losses"], ["distgrad.parallel"], ["distgrad.rpc"]],
+    [["distgrad.testing"]],  # run_on_ranks and the checker (run_on_ranks can start RPC)
+    [["distgrad.__init__"]],  # the public surface: re-exports only
+    [["distgrad._demo"]],  # the demo, a user of the public surface
+    [["distgrad._cli", "distgrad.__main__"]],  # the command line, at the top
+]
+
+
+def _graph() -> Graph:
+    return init_named(import_graph("distgrad"), "distgrad")
 
 
 def test_no_import_circle_anywhere_in_the_package() -> None:
     circle = find_cycle(import_graph("distgrad"))
     assert circle is None, "import circle: " + " -> ".join(circle or [])
+
+
+def test_every_import_points_down_the_declared_layers() -> None:
+    violations = layer_violations(_graph(), LAYERS)
+    assert not violations, "\n".join(violations)
+
+
+def test_the_layer_check_refuses_an_import_upward_or_across() -> None:
+    layers: Layers = [[["p.low"]], [["p.a"], ["p.b"]]]
+    assert layer_violations({"p.a.x": {"p.low", "p.a.y"}, "p.a.y": set()}, layers) == []
+    assert layer_violations({"p.low": {"p.a.x"}}, layers) == [
+        "p.low (layer 0) imports p.a.x (layer 1)"
+    ]
+    assert layer_violations({"p.a": {"p.b"}}, layers) == ["p.a (layer 1) imports p.b (layer 1)"]
+    assert layer_violations({"p.new": set()}, layers) == ["p.new belongs to no declared layer"]
+    assert placement("p.a.x", layers) == (1, 0)
 
 
 def test_the_layer_test_sees_every_module() -> None:
@@ -24,8 +75,8 @@ def test_the_circle_finder_finds_one() -> None:
 
 
 def test_no_test_module_imports_another_test_module() -> None:
-    """Shared test code lives in helper modules (tests/collectives/reference.py, ...), so that
-    running one test file never runs or depends on another's."""
+    """Shared test code lives in helper modules (tests/_support.py, ...), so that running
+    one test file never runs or depends on another's."""
     graph = import_graph("tests")
     offenders = {
         name: sorted(dep for dep in deps if dep.rpartition(".")[2].startswith("test_"))

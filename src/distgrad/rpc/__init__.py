@@ -25,15 +25,15 @@ from distgrad.rpc import functions
 from distgrad.rpc._lifecycle import init_rpc, shutdown
 from distgrad.rpc.backward import backward
 from distgrad.rpc.calls import RRef, remote, rpc_async, rpc_sync
-from distgrad.rpc.context import (
+from distgrad.rpc.optimizer import DistributedOptimizer
+from distgrad.rpc.remote_module import RemoteModule
+from distgrad.rpc.scope import (
     DistAutogradContext,
     context,
     current_context_id,
     debug_state,
     get_gradients,
 )
-from distgrad.rpc.optimizer import DistributedOptimizer
-from distgrad.rpc.remote_module import RemoteModule
 
 __all__ = [
     "BackendType",

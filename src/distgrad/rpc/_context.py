@@ -12,7 +12,7 @@ from __future__ import annotations
 import collections
 import threading
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -20,6 +20,7 @@ from torch import Tensor
 from distgrad.errors import RpcAutogradError, UnknownContextError
 from distgrad.rpc import _identity
 from distgrad.rpc._records import RecvRecord, SendRecord
+from distgrad.rpc._reductions import Reductions
 from distgrad.rpc._storage import GradientStore
 
 __all__ = [
@@ -68,7 +69,7 @@ class DistAutogradContext:
         self.graph_freed = False
         self.pass_states: dict[int, PassState] = {}  # pass id -> an engine's state here
         self.aborted_passes: set[int] = set()
-        self.ddp: Any = None  # _ddp.Reductions, once a DDP forward ran in this context
+        self.ddp: Reductions | None = None  # once a DDP or FSDP2 forward ran in this context
 
     def know(self, worker: str) -> None:
         """Remember that this context exchanged messages with ``worker``. Holds the lock."""

@@ -13,26 +13,29 @@ So a call of an FSDP2 module inside a distgrad context is noted (distgrad wraps
 ``FSDPModule.__call__``: one check per call), and the engine call that reaches its unsharded
 parameters lets their AccumulateGrad write ``.grad``; FSDP2's hooks reduce-scatter inside that
 call, and the sharded gradients go into the context, keyed by the sharded parameters, while
-their ``.grad`` gets its old value back (see ``_ddp``, whose bookkeeping this shares). One
-FSDP2 tree (a root and the modules ``fully_shard`` was applied to below it) reduces at the end
-of the first engine call that reaches any of it, so the tree's forward must reach the loss in
-one engine call: a second one raises :class:`RpcAutogradError` before any gradient of it is
-used, as does ``set_requires_gradient_sync(False)`` (FSDP2 would accumulate unsharded
-gradients that distgrad's engine does not write).
+their ``.grad`` gets its old value back (see ``_ddp``; both keep their books with
+``_reductions``). One FSDP2 tree (a root and the modules ``fully_shard`` was applied to
+below it) reduces at the end of the first engine call that reaches any of it, so the tree's
+forward must reach the loss in one engine call: a second one raises :class:`RpcAutogradError`
+before any gradient of it is used, as does ``set_requires_gradient_sync(False)`` (FSDP2
+would accumulate unsharded gradients that distgrad's engine does not write).
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from distgrad.errors import RpcAutogradError
 from distgrad.rpc import _identity
 from distgrad.rpc._context import lookup
-from distgrad.rpc._ddp import Reduction, Reductions
+from distgrad.rpc._reductions import Reduction, Reductions
+
+if TYPE_CHECKING:  # imported when installed: a torch without FSDP2 has none
+    from torch.distributed.fsdp import FSDPModule
 
 __all__ = ["FSDPReduction", "install"]
 
@@ -48,9 +51,12 @@ class FSDPReduction(Reduction):
         "first engine call that reaches it)"
     )
 
-    def __init__(self, module: Any, fsdp_params: list[Any]) -> None:
+    def __init__(self, module: FSDPModule, fsdp_params: list[Any]) -> None:
         unsharded = [fp._unsharded_param for fp in fsdp_params]
-        super().__init__(module, unsharded, [fp.sharded_param for fp in fsdp_params])
+        # An FSDP2 module is an nn.Module too (fully_shard makes a class deriving from both).
+        super().__init__(
+            cast(nn.Module, module), unsharded, [fp.sharded_param for fp in fsdp_params]
+        )
         self.key = module._get_fsdp_state()._state_ctx  # shared by the whole tree
         self.unsharded: list[Tensor] = unsharded
 
@@ -84,7 +90,7 @@ class FSDPReduction(Reduction):
         return super().collect()
 
 
-def _fsdp_params(module: Any) -> list[Any]:
+def _fsdp_params(module: FSDPModule) -> list[Any]:
     state = module._get_fsdp_state()
     found = []
     for group in state._fsdp_param_groups:
@@ -103,7 +109,7 @@ def _fsdp_params(module: Any) -> list[Any]:
     return found
 
 
-_fsdp_module: Any = None  # torch's FSDPModule, once wrapped
+_fsdp_module: type[FSDPModule] | None = None  # torch's FSDPModule, once wrapped
 _install_lock = threading.Lock()
 
 
@@ -124,8 +130,9 @@ def install() -> None:
             _fsdp_module = FSDPModule
 
 
-def _call(self: Any, *args: Any, **kwargs: Any) -> Any:
-    out = super(_fsdp_module, self).__call__(*args, **kwargs)
+def _call(self: FSDPModule, *args: Any, **kwargs: Any) -> Any:
+    assert _fsdp_module is not None
+    out = super(_fsdp_module, self).__call__(*args, **kwargs)  # type: ignore[misc]  # nn.Module's
     context_id = _identity.current_context_id()
     if context_id is not None and torch.is_grad_enabled():
         record = FSDPReduction(self, _fsdp_params(self))

@@ -10,16 +10,17 @@ the send's tensors once, and kept in the send record.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import Tensor
+from torch.autograd.graph import Node
+from torch.futures import Future
 
 from distgrad.rpc import _identity, _local, _transport
 from distgrad.rpc._context import DistAutogradContext, counters, lookup
 from distgrad.rpc._pass import as_backward_error
 from distgrad.rpc._records import Lineage, SendRecord, node_of
 from distgrad.rpc._wire import LineageQuery
+from distgrad.rpc.send_recv import message_id_of
 
 __all__ = ["find", "receive", "send_reach"]
 
@@ -27,13 +28,13 @@ __all__ = ["find", "receive", "send_reach"]
 Found = tuple[int, str, "Lineage | None"]  # a recv reached: its id, its sender, their lineage
 
 
-def send_reach(ctx: DistAutogradContext, record: SendRecord) -> dict[int, Any]:
+def send_reach(ctx: DistAutogradContext, record: SendRecord) -> dict[int, Node]:
     """Every node of this worker that ``record``'s gradients can reach (id -> node)."""
     if record.reach is None:
         found = _local.walk(node_of(t) for t in record.targets)
         record.reach = found.nodes
         record.recvs_reached = [
-            (n.message_id, ctx.recvs[n.message_id].from_worker) for n in found.recvs
+            (mid, ctx.recvs[mid].from_worker) for mid in map(message_id_of, found.recvs)
         ]
     return record.reach
 
@@ -73,7 +74,7 @@ def find(ctx: DistAutogradContext, roots: list[Tensor], budget: float) -> Lineag
 
     with ctx.lock:
         for node in _local.walk(r.grad_fn for r in roots).recvs:
-            record = ctx.recvs[node.message_id]
+            record = ctx.recvs[message_id_of(node)]
             add(record.message_id, record.from_worker, record.lineage)
     while frontier:
         asked, frontier = frontier, {}
@@ -87,9 +88,11 @@ def find(ctx: DistAutogradContext, roots: list[Tensor], budget: float) -> Lineag
     return {w: frozenset(ids) for w, ids in lineage.items()}
 
 
-def _query(ctx: DistAutogradContext, worker: str, me: str, ids: list[int], budget: float) -> Any:
+def _query(
+    ctx: DistAutogradContext, worker: str, me: str, ids: list[int], budget: float
+) -> Future[list[Found]]:
     if worker == me:
-        fut: Any = torch.futures.Future()
+        fut: Future[list[Found]] = torch.futures.Future()
         fut.set_result(_recvs_reached(ctx, ids))
         return fut
     counters["lineage_messages_sent"] += 1

@@ -39,21 +39,21 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.autograd.graph import GradientEdge
+from torch.autograd.graph import GradientEdge, Node
 from torch.autograd.variable import Variable
 
 from distgrad.rpc import _context
-from distgrad.rpc._ddp import Reductions
 from distgrad.rpc._records import Leaf, Target
+from distgrad.rpc._reductions import Reductions
 from distgrad.rpc.send_recv import is_recv_node
 
 __all__ = ["Cut", "Walk", "capture", "run", "walk"]
 
-_engine: Any = Variable._execution_engine  # type: ignore[attr-defined]
+_engine: Any = Variable._execution_engine  # type: ignore[attr-defined]  # torch's C++ engine
 _init_num_threads: Callable[[], None] = torch._C.init_num_threads  # type: ignore[attr-defined]
 
 # (node, the positions of its next edges to cut, called with (node, position, gradient))
-Cut = tuple[Any, Sequence[int], Callable[[Any, int, Tensor], None]]
+Cut = tuple[Node, Sequence[int], Callable[[Node, int, Tensor], None]]
 
 
 @dataclass
@@ -62,12 +62,12 @@ class Walk:
 
     Recv nodes are not descended into (below them lies only the context's anchor)."""
 
-    nodes: dict[int, Any] = field(default_factory=dict)
+    nodes: dict[int, Node] = field(default_factory=dict)
     leaves: list[Leaf] = field(default_factory=list)
-    recvs: list[Any] = field(default_factory=list)
+    recvs: list[Node] = field(default_factory=list)
 
 
-def walk(starts: Iterable[Any], blocked: Container[int] = ()) -> Walk:
+def walk(starts: Iterable[Node | None], blocked: Container[int] = ()) -> Walk:
     """Every node reachable from ``starts`` without entering a node whose id is ``blocked``."""
     found = Walk()
     stack = [n for n in starts if n is not None]
@@ -162,8 +162,10 @@ def capture(
     return found
 
 
-def _taker(leaf: Tensor, taken: list[tuple[Tensor, Tensor]], me: int) -> Any:
-    def take(grad_outputs: tuple[Tensor | None, ...]) -> Any:
+def _taker(
+    leaf: Tensor, taken: list[tuple[Tensor, Tensor]], me: int
+) -> Callable[[tuple[Tensor | None, ...]], tuple[None] | None]:
+    def take(grad_outputs: tuple[Tensor | None, ...]) -> tuple[None] | None:
         if threading.get_ident() != me:
             return None  # another thread's backward: not ours
         if grad_outputs[0] is not None:
@@ -173,8 +175,16 @@ def _taker(leaf: Tensor, taken: list[tuple[Tensor, Tensor]], me: int) -> Any:
     return take
 
 
-def _cutter(node: Any, at: Sequence[int], call: Callable[[Any, int, Tensor], None], me: int) -> Any:
-    def cut(grad_inputs: tuple[Tensor | None, ...], grad_outputs: Any) -> Any:
+# A node's post-hook: (its gradients in, its gradients out) -> replaced gradients in, or None.
+_Hook = Callable[[tuple[Tensor | None, ...], tuple[Tensor | None, ...]], object]
+
+
+def _cutter(
+    node: Node, at: Sequence[int], call: Callable[[Node, int, Tensor], None], me: int
+) -> _Hook:
+    def cut(
+        grad_inputs: tuple[Tensor | None, ...], grad_outputs: tuple[Tensor | None, ...]
+    ) -> tuple[Tensor | None, ...] | None:
         if threading.get_ident() != me:
             return None
         out = list(grad_inputs)

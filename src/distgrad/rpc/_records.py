@@ -9,11 +9,11 @@ message id, unique across workers.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, TypeAlias
+from typing import TypeAlias
 
 import torch
 from torch import Tensor
-from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 __all__ = [
     "Leaf",
@@ -34,7 +34,7 @@ __all__ = [
 Target: TypeAlias = "Tensor | GradientEdge"
 
 # A leaf tensor requiring grad and its AccumulateGrad node (found by walking the graph).
-Leaf: TypeAlias = "tuple[Tensor, Any]"
+Leaf: TypeAlias = "tuple[Tensor, Node]"
 
 # Worker name -> ids of its sends: the sends whose gradients a send's gradient can reach
 # (SMART's lineage; ``None`` where it was too large to carry and must be asked for).
@@ -60,11 +60,12 @@ def target_of(t: Tensor) -> GradientEdge:
     with torch.enable_grad():
         token = (t.view_as(t) if t.layout == torch.strided else t.clone()).grad_fn
     assert token is not None
-    node: Any = t.grad_fn if t.grad_fn is not None else token.next_functions[0][0]
+    node = t.grad_fn if t.grad_fn is not None else token.next_functions[0][0]
+    assert node is not None  # a view's (or clone's) node has the leaf's accumulator below it
     return GradientEdge(node, t.output_nr, token)
 
 
-def node_of(target: Target) -> Any:
+def node_of(target: Target) -> Node:
     """The node a target's gradient enters: the edge's node, or a leaf's AccumulateGrad."""
     if isinstance(target, GradientEdge):
         return target.node
@@ -76,7 +77,9 @@ def node_of(target: Target) -> Any:
         with torch.enable_grad():
             return node_of(target)
     op = target.view_as(target) if target.layout == torch.strided else target.clone()
-    return op.grad_fn.next_functions[0][0]  # type: ignore[union-attr]
+    node = op.grad_fn.next_functions[0][0]  # type: ignore[union-attr]
+    assert node is not None  # the leaf requires grad: its accumulator is below the op
+    return node
 
 
 def edge_of(target: Target) -> GradientEdge:
@@ -98,7 +101,7 @@ class SendRecord:
     targets: list[Target]
     lineage: Lineage | None = None
     leaves: list[Leaf] | None = None
-    reach: dict[int, Any] | None = None  # id(node) -> node
+    reach: dict[int, Node] | None = None  # id(node) -> node
     recvs_reached: list[tuple[int, str]] | None = None  # (recv message id, its sender)
 
 

@@ -41,17 +41,37 @@ T = TypeVar("T")
 _RELEASE_TIMEOUT_S = 10.0
 _GATHER_S = 0.005  # how long a release waits for a call to ride on before it is sent alone
 
-_lock = threading.Lock()
-# worker -> (context id, time.monotonic() when queued) of the releases waiting for it
-_outbox: dict[str, list[tuple[int, float]]] = {}  # under _lock
-_rode: set[str] = set()  # workers that took releases riding on calls since the last wait
-_rides: list[_Ride] = []  # calls carrying releases, kept until settled; under _lock
-_wake = threading.Event()  # set when the outbox has something for the sender thread
-_sender: threading.Thread | None = None
-_pending: list[Any] = []  # futures of release messages sent and not yet waited for
-_pending_lock = threading.Lock()
-_sending = 0  # outbox batches taken and not yet sent; guarded by _done
-_done = threading.Condition()
+
+class _Releases:
+    """Every release this worker still owes, and what it takes to deliver them: one per process
+    (``_state``).
+
+    It owns the outbox (worker -> (context id, ``time.monotonic()`` when queued) of the
+    releases waiting for that worker), the calls carrying releases until they settle, the
+    workers that took releases riding on calls since the last wait, the futures of release
+    messages sent and not yet waited for, the sender thread and the count of outbox batches
+    taken and not yet sent.
+
+    Locking: ``lock`` guards ``outbox``, ``rides``, ``rode`` and starting ``sender`` (the
+    outbox is read without it only to ask whether a worker has an entry); ``pending_lock``
+    guards ``pending``; the condition ``done`` guards ``sending``; ``wake`` is set when the
+    outbox has something for the sender thread.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.outbox: dict[str, list[tuple[int, float]]] = {}
+        self.rides: list[_Ride] = []
+        self.rode: set[str] = set()
+        self.wake = threading.Event()
+        self.sender: threading.Thread | None = None
+        self.pending: list[Future[list[str]]] = []
+        self.pending_lock = threading.Lock()
+        self.sending = 0
+        self.done = threading.Condition()
+
+
+_state = _Releases()
 
 
 def _peers_of(ctx: _context.DistAutogradContext, sender: str | None) -> list[str]:
@@ -79,15 +99,17 @@ def _queue(ctx: _context.DistAutogradContext, sender: str | None) -> None:
 
 def _put(by_peer: dict[str, list[int]]) -> None:
     """Add releases to the outbox, and make sure the sender thread will send what stays."""
-    global _sender
+    state = _state
     now = time.monotonic()
-    with _lock:
+    with state.lock:
         for peer, context_ids in by_peer.items():
-            _outbox.setdefault(peer, []).extend((cid, now) for cid in context_ids)
-        if _sender is None or not _sender.is_alive():
-            _sender = threading.Thread(target=_send_loop, name="distgrad-releases", daemon=True)
-            _sender.start()
-    _wake.set()
+            state.outbox.setdefault(peer, []).extend((cid, now) for cid in context_ids)
+        if state.sender is None or not state.sender.is_alive():
+            state.sender = threading.Thread(
+                target=_send_loop, name="distgrad-releases", daemon=True
+            )
+            state.sender.start()
+    state.wake.set()
 
 
 def carry(peer: str, send: Callable[[list[int] | None], Future[T]]) -> Future[T]:
@@ -107,22 +129,23 @@ def carry(peer: str, send: Callable[[list[int] | None], Future[T]]) -> Future[T]
         _put({peer: context_ids})
         raise
     ride = _Ride(peer, context_ids, fut)
-    with _lock:
-        _rides[:] = [r for r in _rides if not r.settled]
-        _rides.append(ride)
+    with _state.lock:
+        _state.rides[:] = [r for r in _state.rides if not r.settled]
+        _state.rides.append(ride)
     fut.add_done_callback(ride.settle)
     return fut
 
 
 def _riding(peer: str) -> list[int] | None:
     """Take the releases waiting for ``peer``."""
-    if peer not in _outbox:  # read without the lock: the common case is one dict lookup
+    state = _state
+    if peer not in state.outbox:  # read without the lock: the common case is one dict lookup
         return None
-    with _lock:
-        waiting = _outbox.pop(peer, None)
+    with state.lock:
+        waiting = state.outbox.pop(peer, None)
         if not waiting:
             return None
-        _rode.add(peer)
+        state.rode.add(peer)
     return [cid for cid, _ in waiting]
 
 
@@ -142,7 +165,7 @@ class _Ride:
             failed = False
         except Exception:
             failed = True
-        with _lock:
+        with _state.lock:
             if self.settled:
                 return
             self.settled = True
@@ -161,8 +184,8 @@ def drop_riding(context_ids: list[int], sender: str) -> None:
 
 def _send_loop() -> None:
     while True:
-        _wake.wait()
-        _wake.clear()
+        _state.wake.wait()
+        _state.wake.clear()
         pause: float | None = _GATHER_S
         while pause is not None:
             time.sleep(pause)
@@ -174,26 +197,26 @@ def _flush(min_age: float = 0.0) -> float | None:
 
     Returns how long until the next one left has waited that long (``None``: none left).
     """
-    global _sending
-    with _done:
-        _sending += 1
+    state = _state
+    with state.done:
+        state.sending += 1
     try:
         batch: dict[str, list[int]] = {}
         cutoff = time.monotonic() - min_age
         oldest_left: float | None = None
-        with _lock:
-            for peer in list(_outbox):
-                waiting = _outbox[peer]
+        with state.lock:
+            for peer in list(state.outbox):
+                waiting = state.outbox[peer]
                 due = [cid for cid, queued in waiting if queued <= cutoff]
                 if due:
                     batch[peer] = due
                 left = [(cid, queued) for cid, queued in waiting if queued > cutoff]
                 if left:
-                    _outbox[peer] = left
+                    state.outbox[peer] = left
                     first = left[0][1]
                     oldest_left = first if oldest_left is None else min(oldest_left, first)
                 else:
-                    del _outbox[peer]
+                    del state.outbox[peer]
         me = _identity.worker_name() if batch else ""
         futures = []
         for peer, context_ids in batch.items():
@@ -201,19 +224,19 @@ def _flush(min_age: float = 0.0) -> float | None:
                 futures.append(_send(peer, context_ids, me))
             except Exception:  # the agent is gone (shutdown): nothing left to release
                 _context.counters["release_failures"] += 1
-        with _pending_lock:
-            _pending[:] = [f for f in _pending if not f.done()]
-            _pending.extend(futures)
+        with state.pending_lock:
+            state.pending[:] = [f for f in state.pending if not f.done()]
+            state.pending.extend(futures)
     finally:
-        with _done:
-            _sending -= 1
-            _done.notify_all()
+        with state.done:
+            state.sending -= 1
+            state.done.notify_all()
     if oldest_left is None:
         return None
     return max(oldest_left + min_age - time.monotonic(), 0.0)
 
 
-def _send(peer: str, context_ids: list[int], me: str) -> Any:
+def _send(peer: str, context_ids: list[int], me: str) -> Future[list[str]]:
     message = Release(context_ids, me)
     _context.counters["release_messages_sent"] += 1
     return _transport.call_async(peer, receive, (message,), _RELEASE_TIMEOUT_S)
@@ -230,19 +253,20 @@ def wait_for_releases(timeout: float = _RELEASE_TIMEOUT_S, *, transitive: bool =
     worker leaves only once the contexts it released are gone everywhere, as before releases
     rode on calls (a release message's handler forwards it and waits).
     """
-    global _rode
-    with _lock:
-        rides, _rides[:] = list(_rides), []
+    state = _state
+    with state.lock:
+        rides, state.rides[:] = list(state.rides), []
     for ride in rides:  # a failed call puts its releases back before the flush below
         ride.settle()
     _flush()
-    with _done:
-        _done.wait_for(lambda: _sending == 0, timeout=timeout)
-    with _pending_lock:
-        futures, _pending[:] = list(_pending), []
+    with state.done:
+        state.done.wait_for(lambda: state.sending == 0, timeout=timeout)
+    with state.pending_lock:
+        futures: list[Future[Any]] = list(state.pending)
+        state.pending[:] = []
     if transitive:
-        with _lock:
-            rode, _rode = _rode, set()
+        with state.lock:
+            rode, state.rode = state.rode, set()
         for peer in sorted(rode):
             try:
                 futures.append(_transport.call_async(peer, _finish, (timeout,), timeout))
@@ -257,11 +281,10 @@ def wait_for_releases(timeout: float = _RELEASE_TIMEOUT_S, *, transitive: bool =
 
 def forget() -> None:
     """Drop the releases still waiting (this worker left its RPC group)."""
-    global _rode
-    with _lock:
-        _outbox.clear()
-        _rides.clear()
-        _rode = set()
+    with _state.lock:
+        _state.outbox.clear()
+        _state.rides.clear()
+        _state.rode = set()
 
 
 def _finish(timeout: float) -> None:

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch._C._distributed_rpc import PyRRef, _invoke_rpc_python_udf
+from torch._C._distributed_rpc import PyRRef, WorkerInfo, _invoke_rpc_python_udf
 from torch.distributed import rpc as torch_rpc
 from torch.distributed.rpc import api, internal
 from torch.distributed.rpc.internal import PythonUDF
@@ -55,7 +55,7 @@ def marked() -> Iterator[None]:
         _marked.on = previous
 
 
-_workers: dict[str, Any] = {}  # name -> torch's WorkerInfo, for the current RPC group
+_workers: dict[str, WorkerInfo] = {}  # name -> for the current RPC group
 
 
 def call_async(
@@ -104,7 +104,7 @@ class _Serializer(threading.local):
 
     def __init__(self) -> None:
         self.buffer = io.BytesIO()
-        self.table: dict[Any, Any] = {}
+        self.table: dict[type, Callable[..., Any]] = {}  # a pickler dispatch table
         self.tensors: list[Tensor] = []
         self.busy = False
         self.registered = -1  # how many reducers torch's pickler had when the table was made
@@ -165,10 +165,12 @@ def forget() -> None:
     _workers.clear()
 
 
-def remote(to: str, fn: Callable[..., Any], args: tuple[Any, ...], timeout: float) -> Any:
+def remote(
+    to: str, fn: Callable[..., Any], args: tuple[Any, ...], timeout: float
+) -> torch_rpc.RRef[Any]:
     """``torch.distributed.rpc.remote`` for distgrad's own use; returns torch's RRef."""
     with marked():
-        return torch_rpc.remote(to, fn, args=args, timeout=timeout)
+        return torch_rpc.remote(to, fn, args=args, timeout=timeout)  # type: ignore[no-any-return]
 
 
 def _pong() -> bool:
@@ -188,7 +190,7 @@ def describe_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {lines[0][:300] if lines else ''}"
 
 
-_original: Callable[[Any], Any] | None = None
+_original: Callable[[str | int | WorkerInfo], WorkerInfo] | None = None  # torch's
 _install_lock = threading.Lock()
 
 
@@ -205,7 +207,7 @@ def install_guard() -> None:
             api._to_worker_info = _guarded  # type: ignore[attr-defined]
 
 
-def _guarded(to: Any) -> Any:
+def _guarded(to: str | int | WorkerInfo) -> WorkerInfo:
     context_id = _identity.current_context_id()
     if context_id is not None and not getattr(_marked, "on", False):
         raise RpcAutogradError(_refusal(context_id))

@@ -31,7 +31,7 @@ M = TypeVar("M")
 def _pickled_as_tuple(cls: type[M]) -> type[M]:
     get = operator.attrgetter(*(f.name for f in fields(cls)))  # type: ignore[arg-type]
 
-    def reduce(self: Any) -> tuple[type[M], tuple[Any, ...]]:
+    def reduce(self: M) -> tuple[type[M], tuple[Any, ...]]:
         return (cls, get(self))
 
     cls.__reduce__ = reduce  # type: ignore[assignment,method-assign]

@@ -126,30 +126,30 @@ class RRef(Generic[T]):
     """
 
     def __init__(self, value: T) -> None:
-        self._rref: Any = torch_rpc.RRef(value)
+        self._rref: torch_rpc.RRef[T] = torch_rpc.RRef(value)
 
     @classmethod
-    def _wrap(cls, rref: Any) -> RRef[T]:
+    def _wrap(cls, rref: torch_rpc.RRef[T]) -> RRef[T]:
         obj = cls.__new__(cls)
         obj._rref = rref
         return obj
 
     @property
-    def torch_rref(self) -> Any:
+    def torch_rref(self) -> torch_rpc.RRef[T]:
         """The wrapped ``torch.distributed.rpc.RRef``."""
         return self._rref
 
     def owner(self) -> WorkerInfo:
         """The ``WorkerInfo`` of the worker that owns the value."""
-        return self._rref.owner()  # type: ignore[no-any-return]
+        return self._rref.owner()
 
     def owner_name(self) -> str:
         """The name of the worker that owns the value."""
-        return str(self._rref.owner_name())
+        return self._rref.owner_name()
 
     def is_owner(self) -> bool:
         """Whether this worker owns the value."""
-        return bool(self._rref.is_owner())
+        return self._rref.is_owner()
 
     def local_value(self) -> T:
         """The value itself; only on its owner."""
@@ -164,8 +164,7 @@ class RRef(Generic[T]):
         if self.is_owner():
             return self.local_value()
         if _identity.current_context_id() is None:
-            value: T = self._rref.to_here(timeout)
-            return value
+            return self._rref.to_here(timeout)
         fetched: T = rpc_sync(self.owner_name(), _local_value, args=(self._rref,), timeout=timeout)
         return fetched
 
@@ -222,12 +221,16 @@ class _Proxy:
         return method
 
 
-def _invoke(rref: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _invoke(
+    rref: torch_rpc.RRef[Any], name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
     return getattr(rref.local_value(), name)(*args, **kwargs)
 
 
 @_async_execution
-def _invoke_async(rref: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _invoke_async(
+    rref: torch_rpc.RRef[Any], name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
     return getattr(rref.local_value(), name)(*args, **kwargs)
 
 
@@ -235,11 +238,13 @@ def _method_is_async(rref: RRef[Any], name: str) -> bool:
     """Whether the value's method ``name`` is marked ``async_execution`` (its type is asked
     of the owner once, by torch, as torch's proxies do)."""
     with _transport.marked():  # torch's own type query, allowed inside a context
-        value_type = rref.torch_rref._get_type(blocking=True)
+        value_type = rref.torch_rref._get_type(blocking=True)  # type: ignore[call-arg]
     return _is_async(getattr(value_type, name, None))
 
 
-def _backward_on_owner(rref: Any, context_id: int, retain_graph: bool, mode: str) -> None:
+def _backward_on_owner(
+    rref: torch_rpc.RRef[Any], context_id: int, retain_graph: bool, mode: str
+) -> None:
     value = rref.local_value()
     if context_id == -1:
         value.backward(retain_graph=retain_graph)
@@ -247,8 +252,9 @@ def _backward_on_owner(rref: Any, context_id: int, retain_graph: bool, mode: str
         backward(context_id, [value], retain_graph, mode=mode)  # type: ignore[arg-type]
 
 
-def _local_value(rref: Any) -> Any:
-    return rref.local_value()
+def _local_value(rref: torch_rpc.RRef[T]) -> T:
+    value: T = rref.local_value()
+    return value
 
 
 @dataclass(frozen=True)
@@ -274,7 +280,11 @@ class _ScriptFunctionRef:
         return found
 
 
-def _by_reference(func: Callable[..., Any]) -> Any:
+# What a call sends as its function: the function, or a TorchScript function's name.
+_WireFunction: TypeAlias = "Callable[..., Any] | _ScriptFunctionRef"
+
+
+def _by_reference(func: Callable[..., Any]) -> _WireFunction:
     if isinstance(func, torch.jit.ScriptFunction):
         return _ScriptFunctionRef(torch._jit_internal._qualified_name(func))
     return func
@@ -315,7 +325,7 @@ def _open(envelope: Envelope, from_worker: str) -> Any:
     return attach_recv(ctx, from_worker, e.payload, e.message_id, e.positions, e.lineage)
 
 
-def _run_inside(request: Envelope, func: Any) -> Any:
+def _run_inside(request: Envelope, func: _WireFunction) -> Any:
     _transport.install_guard()
     _liveness.ensure_started()
     if request.releases:
@@ -330,17 +340,17 @@ def _run_inside(request: Envelope, func: Any) -> Any:
         _identity.set_current(previous)
 
 
-def _serve_call(request: Envelope, func: Any) -> Envelope:
+def _serve_call(request: Envelope, func: _WireFunction) -> Envelope:
     result = _run_inside(request, func)
     return _envelope(request.context_id, request.sender, result)
 
 
-def _serve_remote(request: Envelope, func: Any) -> Any:
+def _serve_remote(request: Envelope, func: _WireFunction) -> Any:
     return _run_inside(request, func)
 
 
 @_async_execution
-def _serve_async_call(request: Envelope, func: Any) -> Future[Envelope]:
+def _serve_async_call(request: Envelope, func: _WireFunction) -> Future[Envelope]:
     """A function marked ``async_execution`` returns a future; the answer goes when it
     completes, with what its value requires grad recorded as any call's result."""
     pending: Future[Any] = _run_inside(request, func)
@@ -348,9 +358,9 @@ def _serve_async_call(request: Envelope, func: Any) -> Future[Envelope]:
 
 
 @_async_execution
-def _serve_async_remote(request: Envelope, func: Any) -> Future[Any]:
+def _serve_async_remote(request: Envelope, func: _WireFunction) -> Future[Any]:
     return _run_inside(request, func)  # type: ignore[no-any-return]
 
 
-def _is_async(func: Any) -> bool:
+def _is_async(func: object) -> bool:
     return hasattr(func, "_wrapped_async_rpc_function")

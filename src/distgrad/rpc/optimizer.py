@@ -9,6 +9,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch import Tensor
+from torch.distributed import rpc as torch_rpc
 
 from distgrad.errors import RpcAutogradError
 from distgrad.rpc import _identity, _transport
@@ -28,11 +30,11 @@ class _LocalOptimizer:
     def __init__(
         self,
         optimizer_class: type[torch.optim.Optimizer],
-        rrefs: list[Any],
+        rrefs: list[torch_rpc.RRef[Tensor]],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> None:
-        self.params = [rref.local_value() for rref in rrefs]
+        self.params: list[Tensor] = [rref.local_value() for rref in rrefs]
         self.optimizer = optimizer_class(self.params, *args, **kwargs)
 
     def step(self, context_id: int) -> None:
@@ -56,7 +58,7 @@ _local: dict[int, _LocalOptimizer] = {}
 def _make(
     optimizer_id: int,
     optimizer_class: type[torch.optim.Optimizer],
-    rrefs: list[Any],
+    rrefs: list[torch_rpc.RRef[Tensor]],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
 ) -> None:
@@ -95,11 +97,11 @@ class DistributedOptimizer:
     def __init__(
         self,
         optimizer_class: type[torch.optim.Optimizer],
-        params_rref: Sequence[Any],
+        params_rref: Sequence[RRef[Any] | torch_rpc.RRef[Any]],
         *args: Any,
         **kwargs: Any,
     ) -> None:
-        by_owner: dict[str, list[Any]] = {}
+        by_owner: dict[str, list[torch_rpc.RRef[Tensor]]] = {}
         for ref in params_rref:
             raw = ref.torch_rref if isinstance(ref, RRef) else ref
             by_owner.setdefault(str(raw.owner_name()), []).append(raw)

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed import rpc as torch_rpc
 from torch.futures import Future
 
 from distgrad.rpc.calls import RRef, remote, rpc_async, rpc_sync
@@ -62,11 +63,11 @@ class RemoteModule(nn.Module):
         return self.module_rref
 
 
-def _forward(rref: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _forward(rref: torch_rpc.RRef[nn.Module], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return rref.local_value()(*args, **kwargs)
 
 
-def _parameter_rrefs(rref: Any, recurse: bool) -> list[Any]:
-    from torch.distributed import rpc as torch_rpc
-
+def _parameter_rrefs(
+    rref: torch_rpc.RRef[nn.Module], recurse: bool
+) -> list[torch_rpc.RRef[torch.Tensor]]:
     return [torch_rpc.RRef(p) for p in rref.local_value().parameters(recurse)]

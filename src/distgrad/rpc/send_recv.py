@@ -14,19 +14,26 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.autograd.graph import Node
 
 from distgrad.rpc import _context, _identity
 from distgrad.rpc._context import DistAutogradContext
 from distgrad.rpc._records import Leaf, Lineage, RecvRecord, SendRecord, Target, node_of, target_of
 
-__all__ = ["attach_recv", "detach_for_send", "is_recv_node"]
+__all__ = ["attach_recv", "detach_for_send", "is_recv_node", "message_id_of"]
 
 _RECV_NODE_NAME = "_RecvFunctionBackward"
 
 
-def is_recv_node(node: Any) -> bool:
+def is_recv_node(node: Node) -> bool:
     """Whether an autograd node is the recv node of a message (its ``message_id`` names it)."""
     return type(node).__name__ == _RECV_NODE_NAME
+
+
+def message_id_of(recv_node: Node) -> int:
+    """The message id of a recv node (set on the node's context in forward)."""
+    message_id: int = recv_node.message_id  # type: ignore[attr-defined]
+    return message_id
 
 
 class _RecvFunction(torch.autograd.Function):
@@ -35,7 +42,7 @@ class _RecvFunction(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx: Any, context_id: int, message_id: int, anchor: Tensor, *tensors: Tensor
-    ) -> Any:
+    ) -> tuple[Tensor, ...]:
         ctx.set_materialize_grads(False)  # unused outputs stay None and are not shipped as zeros
         # Ids only, no record: a record holding the node that holds the record would be a cycle
         # through C++ that the garbage collector cannot see.
@@ -46,7 +53,7 @@ class _RecvFunction(torch.autograd.Function):
         return tuple(t.detach() for t in tensors)
 
     @staticmethod
-    def backward(ctx: Any, *grads: Tensor | None) -> Any:
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[None, ...]:
         _context.lookup(ctx.context_id).hand_back(ctx.message_id, list(grads))
         return (None, None, None, *[None] * len(grads))
 
@@ -54,7 +61,7 @@ class _RecvFunction(torch.autograd.Function):
 # torch's C apply, without ``Function.apply``'s Python wrapper: outside functorch transforms
 # that wrapper only unwraps dead functorch wrappers (received tensors are never any). 13 us
 # against 20 us per recv node, hot; a round trip makes two.
-_apply_recv: Callable[..., Any] = torch._C._FunctionBase.__dict__["apply"].__get__(
+_apply_recv: Callable[..., tuple[Tensor, ...]] = torch._C._FunctionBase.__dict__["apply"].__get__(
     None, _RecvFunction
 )
 
@@ -147,7 +154,7 @@ def _lineage_below(
     with it. The lineage is ``None`` if the walk or the lineage grows too large, or a recv's is
     unknown; the leaves are ``None`` if the walk grows too large (FAST then walks in backward).
     """
-    stack: list[Any] = [node_of(t) for t in targets]
+    stack: list[Node | None] = [node_of(t) for t in targets]
     # The walk finds the leaves too, so that FAST does not walk the same graph again in
     # backward (on a round trip's callee that walk took 46-51 us of a live step, loaded
     # 2-core machine; now 3 us).
@@ -163,7 +170,7 @@ def _lineage_below(
         if len(seen) > _LINEAGE_WALK_NODES:
             return None, None
         if is_recv_node(node):
-            record = ctx.recvs[node.message_id]
+            record = ctx.recvs[message_id_of(node)]
             if record.lineage is None:
                 known = False
                 continue

@@ -23,23 +23,23 @@ waits, so no cycle of waits exists. Workers outside the lineage receive no messa
 from __future__ import annotations
 
 import contextlib
-from typing import Any
 
 from torch import Tensor
-from torch.autograd.graph import GradientEdge
+from torch.autograd.graph import GradientEdge, Node
 
 from distgrad.errors import RpcAutogradError
 from distgrad.rpc import _identity, _lineage, _local, _transport
 from distgrad.rpc._context import DistAutogradContext, PassState, counters, lookup
 from distgrad.rpc._local import Cut, Walk
 from distgrad.rpc._pass import Pass, deadline_after, drain, in_flight, pass_error, phase, ship
-from distgrad.rpc._records import Lineage, RecvRecord, edge_of
+from distgrad.rpc._records import Lineage, RecvRecord, edge_of, node_of
 from distgrad.rpc._wire import AbortPass, GradientMessage, Reply
-from distgrad.rpc.send_recv import is_recv_node
+from distgrad.rpc.send_recv import is_recv_node, message_id_of
 
 __all__ = ["receive", "run_from_roots"]
 
 Key = tuple[int, int]  # (id(node), input number): one graph edge into a node
+Entry = tuple[Node, int, Tensor]  # a gradient entering a node along its input ``nr``
 
 
 class SmartState(PassState):
@@ -50,17 +50,18 @@ class SmartState(PassState):
         self.lineage = lineage
         self.retain_graph = retain_graph
         self.pending = set(lineage.get(me, frozenset()))  # sends whose gradient has not come
-        self.held: dict[Key, tuple[Any, int, Tensor]] = {}  # gradients waiting at an edge
+        self.held: dict[Key, Entry] = {}  # gradients waiting at an edge
         self.shipped: set[int] = set()  # recv ids already shipped in this pass
         self.foreign: frozenset[int] = frozenset()  # memory of gradients the user passed in
         self.recvs_here: list[RecvRecord] | None = None
 
-    def hold_below(self, parent: Any, position: int, grad: Tensor) -> None:
+    def hold_below(self, parent: Node, position: int, grad: Tensor) -> None:
         """Hold the gradient ``parent`` sends along its ``position``-th edge."""
         node, nr = parent.next_functions[position]
+        assert node is not None  # only edges into a node are cut (see _run)
         self.hold(node, nr, grad)
 
-    def hold(self, node: Any, nr: int, grad: Tensor) -> None:
+    def hold(self, node: Node, nr: int, grad: Tensor) -> None:
         key = (id(node), nr)
         kept = self.held.get(key)
         self.held[key] = (node, nr, grad if kept is None else kept[2] + grad)
@@ -111,7 +112,7 @@ def run_from_roots(
         ctx.pass_states[pass_id] = state
     active = SmartPass(state, ctx, deadline)
     try:
-        starts = [(r.grad_fn, r.output_nr, g) for r, g in zip(roots, grads, strict=True)]
+        starts = [(node_of(r), r.output_nr, g) for r, g in zip(roots, grads, strict=True)]
         _deliver(ctx, state, active, starts)
         if state.pending:  # every part of the pass has answered: nothing can arrive any more
             raise RpcAutogradError(
@@ -171,7 +172,7 @@ def _deliver(
     ctx: DistAutogradContext,
     state: SmartState,
     active: SmartPass,
-    entries: list[tuple[Any, int, Tensor]],
+    entries: list[Entry],
 ) -> None:
     """Hold the gradients at ``entries``, run what is ready, then wait for what that shipped."""
     with in_flight(ctx):
@@ -201,7 +202,7 @@ def _progress(ctx: DistAutogradContext, state: SmartState, active: SmartPass) ->
     """Run every held gradient that no pending send can still add to (one engine call), then
     ship ``None``s for the lineage's recvs here that no gradient can reach any more; once
     nothing is pending, drop the pass's state. Holds the context's lock."""
-    blocked: dict[int, Any] = {}
+    blocked: dict[int, Node] = {}
     blocked_recvs: set[int] = set()
     for send_id in state.pending:
         record = ctx.sends[send_id]
@@ -241,7 +242,7 @@ def _run(
     active: SmartPass,
     found: Walk,
     live: set[int],
-    starts: list[tuple[Any, int, Tensor]],
+    starts: list[Entry],
 ) -> None:
     """Run the live nodes once. Without held edges below them this is an ordinary engine call
     (recv nodes run and ship; leaves' AccumulateGrad nodes and their hooks run); otherwise
@@ -258,6 +259,7 @@ def _run(
             cuts.append((node, at, state.hold_below))
             for i in at:
                 below, nr = node.next_functions[i]
+                assert below is not None  # ``at`` holds only edges into a node
                 held[(id(below), nr)] = GradientEdge(below, nr)
     edges = [GradientEdge(node, nr) for node, nr, _ in starts]
     grads = [grad for _, _, grad in starts]
@@ -268,7 +270,7 @@ def _run(
         )
         ctx.store(taken, state.foreign)
         return
-    slots = [(n, k) for n in found.recvs for k in range(ctx.recvs[n.message_id].num_outputs)]
+    slots = [(n, k) for n in found.recvs for k in range(ctx.recvs[message_id_of(n)].num_outputs)]
     inputs: list[Tensor | GradientEdge] = [leaf for leaf, _ in found.leaves]
     inputs += [GradientEdge(node, k) for node, k in slots]
     inputs += held.values()
@@ -278,7 +280,7 @@ def _run(
     ctx.store([(leaf, g) for (leaf, _), g in pairs if g is not None], state.foreign)
     shipped: dict[int, list[Tensor | None]] = {}
     for (node, _), grad in zip(slots, got[n_leaves:], strict=False):  # then the held edges
-        shipped.setdefault(node.message_id, []).append(grad)
+        shipped.setdefault(message_id_of(node), []).append(grad)
     for message_id, recv_grads in shipped.items():
         active.take(ctx.recvs[message_id], recv_grads)
 
@@ -287,10 +289,10 @@ def _live(found: Walk) -> set[int]:
     """The nodes of ``found`` with a path to one of its leaves or recvs (those that can run)."""
     live = {id(node) for _, node in found.leaves} | {id(node) for node in found.recvs}
     # Children before parents: a node is live when one of its children is.
-    order: list[Any] = []
+    order: list[Node] = []
     seen: set[int] = set()
     for root in found.nodes.values():
-        stack: list[tuple[Any, bool]] = [(root, False)]
+        stack: list[tuple[Node, bool]] = [(root, False)]
         while stack:
             node, done = stack.pop()
             if done:
@@ -301,7 +303,9 @@ def _live(found: Walk) -> set[int]:
             seen.add(id(node))
             stack.append((node, True))
             if id(node) not in live:
-                stack.extend((n, False) for n, _ in node.next_functions if id(n) in found.nodes)
+                stack.extend(
+                    (n, False) for n, _ in node.next_functions if n and id(n) in found.nodes
+                )
     for node in order:
         if id(node) not in live and any(id(n) in live for n, _ in node.next_functions if n):
             live.add(id(node))
