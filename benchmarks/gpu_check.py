@@ -732,9 +732,15 @@ def _guard_rows(rank: int, n: int, device: str) -> list[tuple[str, str]]:
     def exchanges() -> None:
         for op in ("sum", "max", "min"):
             _comm.all_reduce(x, op, group)
+        each = [x.shape[0]] * n
         _comm.reduce(x, 0, group)
         _comm.broadcast(x, 0, group)
-        _comm.all_gather(x, [x.shape[0]] * n, group)
+        _comm.all_gather(x, each, group)
+        _comm.all_to_all(x.repeat(n, 1), each, each, group)
+        _comm.gather(x, each, 0, group)
+        whole = x.repeat(n, 1) if group.rank == 0 else None
+        _comm.scatter(whole, each, 0, x.shape[1:], x.dtype, x.device, group)
+        _comm.permute(x, [(r + 1) % n for r in range(n)], x.shape, group)
 
     exchanges()  # warm: the tag tensors are made (and copied to the device) once
     try:
