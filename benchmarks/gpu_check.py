@@ -3,7 +3,7 @@
 Run from the repository root: ``python benchmarks/gpu_check.py`` (at most about 10 minutes on
 one GPU). It uses every visible GPU, one rank per GPU on NCCL; with a single GPU it runs NCCL
 at world size 1 and gloo with CUDA tensors at world size 2 (gloo lacks CUDA support for some
-exchanges: each op's row says what happened). Six parts, each a table in the results file:
+exchanges: each op's row says what happened). Seven parts, each a table in the results file:
 
 * ``gradients``: the gradient sweep of every op (tests/collectives/reference.py, the sweep the
   test suite runs on CPU) against single-process autograd, float64 and float32.
@@ -13,6 +13,8 @@ exchanges: each op's row says what happened). Six parts, each a table in the res
 * ``sync``: every op and loss past the checked calls, one by one, under
   ``torch.cuda.set_sync_debug_mode("warn")`` (each host synchronisation listed), then a
   training step under ``"error"``.
+* ``guard``: the opt-in data guard's exchanges under ``set_sync_debug_mode("error")``, and a
+  mismatched tag raised at the next guarded call (CUDA) or at once (CPU).
 * ``compile``: the same calls in one step under ``torch.compile(fullgraph=True)`` (inductor):
   one graph, no break, eager's gradients.
 * ``memory``: peak GPU memory of the dense and ring CLIP loss at global batch 16k and 32k.
