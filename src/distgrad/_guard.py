@@ -1,11 +1,10 @@
 """The guard that rides in the data: mismatched calls past the checked ones, caught in the bytes.
 
 Past the checked calls (``collectives._signature``) the ranks exchange nothing but their data,
-so a rank that makes another call than its peers (another shape, dtype, op, argument, or one
-call late) goes unseen by distgrad. The guard appends a few tag elements to the buffer an
+so a rank that makes another call than its peers (another shape, dtype or argument) goes unseen
+by distgrad. The guard (opt-in: :func:`set_guard`) appends a few tag elements to the buffer an
 exchange moves anyway. The tag is a checksum of what every rank must agree on (the exchange,
-its shape and dtype, its arguments, and how many guarded exchanges this process has made on
-the group: the call order), and is read back where the result is:
+its shape and dtype, its arguments), and is read back where the result is:
 
 * reductions (``all_reduce`` sum/max/min, ``reduce``) carry tags that reduce to a known value
   only when every rank's tag is the same. For a sum, each of four 4-bit digits ``d`` travels
@@ -23,10 +22,11 @@ is queued on the device and its one-byte verdict copied to pinned memory; the ne
 on the group (or :func:`raise_pending`) reads the verdicts whose copies have landed (an event
 query, no synchronisation) and raises then, naming the call that mismatched.
 
-What it cannot catch, and why (docs/semantics.md has the table): a mismatch that changes how
-many bytes a rank sends (gloo checks sizes and aborts the process before any byte is read; NCCL
-reads past buffers), or the backend's own pairing (a different collective, or a different
-reduce op, waits in the backend until its timeout).
+What it cannot catch, and why (docs/semantics.md, "The data guard"): a mismatch that changes
+how many bytes a rank sends (gloo checks sizes and aborts the process before any byte is read;
+NCCL reads past buffers); the backend's own pairing (a different collective, or a different
+reduce op, waits in the backend until its timeout); and a skipped call whose next call looks
+alike (every rank's tag then says the same).
 """
 
 from __future__ import annotations
