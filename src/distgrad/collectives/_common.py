@@ -20,7 +20,6 @@ __all__ = [
     "Objective",
     "ReduceOp",
     "anchor",
-    "apply",
     "as_bytes",
     "byte_shape",
     "extent",
@@ -34,7 +33,6 @@ __all__ = [
     "op_name",
     "op_problem",
     "output",
-    "partner",
     "rank_problem",
     "reduce_dtype_problem",
     "sizes_problem",
@@ -181,22 +179,6 @@ def reduce_dtype_problem(op: str, x: object) -> str | None:
                 "dtype torch can reduce, e.g. x.float(), or gather it and reduce it yourself"
             )
     return _reducible[key]
-
-
-def apply(function: type[torch.autograd.Function], *args: object) -> Tensor:
-    """``function.apply(*args)``, typed (torch leaves ``Function.apply`` untyped)."""
-    out: Tensor = function.apply(*args)  # type: ignore[no-untyped-call]
-    return out
-
-
-def partner(function: type[torch.autograd.Function], *args: object) -> Tensor:
-    """A backward's partner op: differentiable when the backward itself is recorded (a double
-    backward, ``create_graph=True``), else its forward's work alone (``function.run``): an
-    ``autograd.Function`` call costs 10-20 us, a tenth of a small exchange."""
-    if torch.is_grad_enabled():
-        return apply(function, *args)
-    out: Tensor = function.run(*args)  # type: ignore[attr-defined]
-    return out
 
 
 # The dtypes the backends move natively. Every other dtype (complex, float8, float4, bits,

@@ -7,17 +7,14 @@ slices in rank order, so rank i's slice starts at ``offsets(sizes)[i]``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import dataclass
 
-import torch
 from torch import Tensor
-from torch.autograd.function import FunctionCtx
 
 from distgrad import _ops
 from distgrad._group import Group, ProcessGroup, resolve
 from distgrad.collectives import _common as c
-from distgrad.collectives._debug import check_backward_order, check_replicated
+from distgrad.collectives._differentiable import Adjoint, Collective, Plan, apply
 from distgrad.collectives._reduce_slices import reduce_stacked
 from distgrad.collectives._signature import Choice, Signature, sizes_along
 from distgrad.collectives.all_to_all import apply_all_to_all
@@ -41,14 +38,14 @@ REDUCE_SCATTER = Signature(
 
 
 @dataclass(frozen=True)
-class _Plan:
-    group: Group
+class _Plan(Plan):
     sizes: tuple[int, ...]
     dim: int
-    objective: c.Objective = "sum"
 
 
-class _AllGather(torch.autograd.Function):
+class _AllGather(Collective):
+    name = "all_gather"
+
     @staticmethod
     def run(x: Tensor, plan: _Plan) -> Tensor:
         moved = c.as_bytes(c.to_front(x, plan.dim))
@@ -56,42 +53,27 @@ class _AllGather(torch.autograd.Function):
         return c.output(c.from_front(gathered, plan.dim))
 
     @staticmethod
-    def forward(ctx: FunctionCtx, x: Tensor, plan: _Plan) -> Tensor:
-        ctx.plan = plan  # type: ignore[attr-defined]
-        return _AllGather.run(x, plan)
+    def adjoint(plan: _Plan) -> Adjoint:
+        return _ReduceScatterSum, plan
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None]:
-        plan: _Plan = ctx.plan
-        check_backward_order("all_gather", plan.group)
-        if plan.objective == "replicated":
-            # Every rank holds the same gradient of one shared loss: keep this rank's slice.
-            check_replicated("all_gather", plan.group, grad)
-            start = c.offsets(plan.sizes)[plan.group.rank]
-            local = grad.narrow(plan.dim, start, plan.sizes[plan.group.rank])
-        else:
-            local = c.partner(_ReduceScatterSum, grad, plan)
-        return (local if ctx.needs_input_grad[0] else None), None
+    def replicated(grad: Tensor, plan: _Plan) -> Tensor:
+        # Every rank holds the same gradient of one shared loss: keep this rank's slice.
+        start = c.offsets(plan.sizes)[plan.group.rank]
+        return grad.narrow(plan.dim, start, plan.sizes[plan.group.rank])
 
 
-class _ReduceScatterSum(torch.autograd.Function):
+class _ReduceScatterSum(Collective):
+    name = "reduce_scatter"
+
     @staticmethod
     def run(x: Tensor, plan: _Plan) -> Tensor:
         summed = _ops.reduce_scatter(c.to_front(x, plan.dim), plan.sizes, plan.group)
         return c.output(c.from_front(summed, plan.dim))
 
     @staticmethod
-    def forward(ctx: FunctionCtx, x: Tensor, plan: _Plan) -> Tensor:
-        ctx.plan = plan  # type: ignore[attr-defined]
-        return _ReduceScatterSum.run(x, plan)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None]:
-        plan: _Plan = ctx.plan
-        check_backward_order("reduce_scatter", plan.group)
-        summed = plan if plan.objective == "sum" else replace(plan, objective="sum")
-        full = c.partner(_AllGather, grad, summed)
-        return (full if ctx.needs_input_grad[0] else None), None
+    def adjoint(plan: _Plan) -> Adjoint:
+        return _AllGather, plan
 
 
 def apply_all_gather(
@@ -100,7 +82,7 @@ def apply_all_gather(
     """all_gather without the checks, for ops built on it (their arguments are checked)."""
     if group.size == 1:
         return x.clone()
-    return c.apply(_AllGather, x, _Plan(group, sizes, dim, objective))
+    return apply(_AllGather, x, _Plan(group, sizes, dim, objective=objective))
 
 
 def apply_reduce_scatter(
@@ -112,7 +94,7 @@ def apply_reduce_scatter(
     if group.size == 1:
         return x.clone()
     if op == "sum":
-        return c.apply(_ReduceScatterSum, x, _Plan(group, sizes, dim))
+        return apply(_ReduceScatterSum, x, _Plan(group, sizes, dim))
     # prod, max, min: every rank receives the N slices of its part and reduces them locally, so
     # the gradient is the local reduction's (ties split evenly, zeros exact) and all_to_all
     # (self-adjoint) routes it back to the owners.

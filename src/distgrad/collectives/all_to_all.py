@@ -4,17 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
-import torch
 from torch import Tensor
-from torch.autograd.function import FunctionCtx
 
 from distgrad import _ops
 from distgrad._group import Group, ProcessGroup, resolve
 from distgrad._meta import RankCall
 from distgrad.collectives import _common as c
-from distgrad.collectives._debug import check_backward_order
+from distgrad.collectives._differentiable import Adjoint, Collective, Plan, apply
 from distgrad.collectives._signature import Signature
 from distgrad.errors import CollectiveMismatchError
 
@@ -31,8 +28,7 @@ SIGNATURE = Signature(
 
 
 @dataclass(frozen=True)
-class _Plan:
-    group: Group
+class _Plan(Plan):
     input_sizes: tuple[int, ...]
     output_sizes: tuple[int, ...]
     dim: int
@@ -41,7 +37,9 @@ class _Plan:
         return _Plan(self.group, self.output_sizes, self.input_sizes, self.dim)
 
 
-class _AllToAll(torch.autograd.Function):
+class _AllToAll(Collective):
+    name = "all_to_all"
+
     @staticmethod
     def run(x: Tensor, plan: _Plan) -> Tensor:
         moved = c.as_bytes(c.to_front(x, plan.dim))
@@ -49,16 +47,8 @@ class _AllToAll(torch.autograd.Function):
         return c.output(c.from_front(c.from_bytes(out, x.dtype), plan.dim))
 
     @staticmethod
-    def forward(ctx: FunctionCtx, x: Tensor, plan: _Plan) -> Tensor:
-        ctx.plan = plan  # type: ignore[attr-defined]
-        return _AllToAll.run(x, plan)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None]:
-        plan: _Plan = ctx.plan
-        check_backward_order("all_to_all", plan.group)
-        back = c.partner(_AllToAll, grad, plan.swapped())
-        return (back if ctx.needs_input_grad[0] else None), None
+    def adjoint(plan: _Plan) -> Adjoint:
+        return _AllToAll, plan.swapped()
 
 
 def apply_all_to_all(
@@ -71,7 +61,7 @@ def apply_all_to_all(
     """all_to_all without the checks, for ops built on it (their arguments are checked)."""
     if group.size == 1:
         return x.clone()
-    return c.apply(_AllToAll, x, _Plan(group, input_sizes, output_sizes, dim))
+    return apply(_AllToAll, x, _Plan(group, input_sizes, output_sizes, dim))
 
 
 def all_to_all(

@@ -7,17 +7,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
-from torch.autograd.function import FunctionCtx
 
 from distgrad import _comm, _ops
 from distgrad._group import Group, ProcessGroup, resolve
 from distgrad._meta import RankCall
 from distgrad.collectives import _common as c
-from distgrad.collectives._debug import check_backward_order
+from distgrad.collectives._differentiable import Adjoint, Collective, Plan, apply
 from distgrad.collectives._signature import Signature, sizes_along
 from distgrad.errors import CollectiveMismatchError
 
@@ -40,8 +38,7 @@ SCATTER = Signature(
 
 
 @dataclass(frozen=True)
-class _Plan:
-    group: Group
+class _Plan(Plan):
     sizes: tuple[int, ...]
     dim: int
     root: int
@@ -50,7 +47,9 @@ class _Plan:
     device: torch.device
 
 
-class _Gather(torch.autograd.Function):
+class _Gather(Collective):
+    name = "gather"
+
     @staticmethod
     def run(x: Tensor, plan: _Plan) -> Tensor:
         moved = c.as_bytes(c.to_front(x, plan.dim))
@@ -58,23 +57,17 @@ class _Gather(torch.autograd.Function):
         return c.output(c.from_front(out, plan.dim))  # not the destination: 0 rows along dim
 
     @staticmethod
-    def forward(ctx: FunctionCtx, x: Tensor, plan: _Plan) -> Tensor:
-        ctx.plan = plan  # type: ignore[attr-defined]
-        return _Gather.run(x, plan)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None]:
-        plan: _Plan = ctx.plan
-        check_backward_order("gather", plan.group)
+    def adjoint(plan: _Plan) -> Adjoint:
         # Other ranks' (empty) gradient is not read by the scatter, but passing it keeps their
         # result connected to it, so a double backward takes every rank through the gather.
-        back = c.partner(_Scatter, grad, plan, None)
-        return (back if ctx.needs_input_grad[0] else None), None
+        return _Scatter, plan
 
 
-class _Scatter(torch.autograd.Function):
+class _Scatter(Collective):
+    name = "scatter"
+
     @staticmethod
-    def run(x: Tensor | None, plan: _Plan, anchor: Tensor | None) -> Tensor:
+    def run(x: Tensor | None, plan: _Plan) -> Tensor:
         moved = c.as_bytes(c.to_front(x, plan.dim)) if x is not None else None
         trailing = c.byte_shape(plan.trailing, plan.dtype)
         dtype = torch.uint8 if trailing != plan.trailing else plan.dtype
@@ -82,23 +75,10 @@ class _Scatter(torch.autograd.Function):
         return c.output(c.from_front(c.from_bytes(out, plan.dtype), plan.dim))
 
     @staticmethod
-    def forward(ctx: FunctionCtx, x: Tensor | None, plan: _Plan, anchor: Tensor | None) -> Tensor:
-        ctx.plan = plan  # type: ignore[attr-defined]
-        ctx.anchor_like = anchor.detach() if anchor is not None else None  # type: ignore[attr-defined]
-        return _Scatter.run(x, plan, anchor)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None]:
-        plan: _Plan = ctx.plan
-        check_backward_order("scatter", plan.group)
-        full = c.partner(_Gather, grad, plan)
-        is_root = plan.group.rank == plan.root
-        # A receiver's x (the anchor) only describes its part; its values reach no output, so
-        # its gradient is zeros, and torch.autograd.grad may ask for it like any input.
-        anchor = (
-            ctx.anchor_like.new_zeros(ctx.anchor_like.shape) if ctx.needs_input_grad[2] else None
-        )
-        return (full if is_root and ctx.needs_input_grad[0] else None), None, anchor
+    def adjoint(plan: _Plan) -> Adjoint:
+        # A receiver's x is None or its anchor (which only describes its part): the gathered
+        # gradient reaches the source's x alone.
+        return _Gather, plan
 
 
 def apply_gather(x: Tensor, group: Group, sizes: tuple[int, ...], dim: int, dst: int) -> Tensor:
@@ -106,7 +86,7 @@ def apply_gather(x: Tensor, group: Group, sizes: tuple[int, ...], dim: int, dst:
     if group.size == 1:
         return x.clone()
     trailing = tuple(s for i, s in enumerate(x.shape) if i != dim)
-    return c.apply(_Gather, x, _Plan(group, sizes, dim, dst, trailing, x.dtype, x.device))
+    return apply(_Gather, x, _Plan(group, sizes, dim, dst, trailing, x.dtype, x.device))
 
 
 def gather(
@@ -221,10 +201,10 @@ def scatter(
     trailing = tuple(s for i, s in enumerate(x.shape) if i != moved_dim)
     plan = _Plan(g, mine, moved_dim, src, trailing, x.dtype, x.device)
     if is_src:
-        return c.apply(_Scatter, x, plan, None)
+        return apply(_Scatter, x, plan)
     # A receiver's x only describes its part, and requires grad when the source's does: as the
     # anchor it makes autograd record the op here (its own gradient stays None).
-    return c.apply(_Scatter, None, plan, x if x.requires_grad else None)
+    return apply(_Scatter, None, plan, x if x.requires_grad else None)
 
 
 def _part_problem(x: object, sizes: Sequence[int], g: Group, dim: int) -> str | None:
@@ -265,6 +245,6 @@ def _scatter_as_the_source_says(
     if not is_src and isinstance(x, Tensor) and x.requires_grad:
         # A receiver's x shaped like its part is its anchor, as in unchecked calls, so that
         # torch.autograd.grad can ask for it (and so run this rank's half of the backward).
-        return c.apply(_Scatter, None, plan, x)
+        return apply(_Scatter, None, plan, x)
     required = source.requires_grad and source.grad_mode
-    return c.apply(_Scatter, mine, plan, c.anchor(mine, required, device))
+    return apply(_Scatter, mine, plan, c.anchor(mine, required, device))

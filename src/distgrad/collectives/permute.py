@@ -4,17 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
-import torch
 from torch import Tensor
-from torch.autograd.function import FunctionCtx
 
 from distgrad import _ops
 from distgrad._group import Group, ProcessGroup, resolve
 from distgrad._meta import show
 from distgrad.collectives import _common as c
-from distgrad.collectives._debug import check_backward_order
+from distgrad.collectives._differentiable import Adjoint, Collective, Plan, apply
 from distgrad.collectives._signature import Signature, assume_alike
 from distgrad.errors import CollectiveMismatchError
 
@@ -30,8 +27,7 @@ SIGNATURE = Signature(
 
 
 @dataclass(frozen=True)
-class _Plan:
-    group: Group
+class _Plan(Plan):
     perm: tuple[int, ...]
     recv_shape: tuple[int, ...]  # the shape this rank receives
     send_shape: tuple[int, ...]  # the shape this rank sends
@@ -43,7 +39,9 @@ class _Plan:
         return _Plan(self.group, tuple(inverse), self.send_shape, self.recv_shape)
 
 
-class _Permute(torch.autograd.Function):
+class _Permute(Collective):
+    name = "permute"
+
     @staticmethod
     def run(x: Tensor, plan: _Plan) -> Tensor:
         recv_shape = c.byte_shape(plan.recv_shape, x.dtype)
@@ -51,16 +49,8 @@ class _Permute(torch.autograd.Function):
         return c.output(c.from_bytes(out, x.dtype))
 
     @staticmethod
-    def forward(ctx: FunctionCtx, x: Tensor, plan: _Plan) -> Tensor:
-        ctx.plan = plan  # type: ignore[attr-defined]
-        return _Permute.run(x, plan)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None]:
-        plan: _Plan = ctx.plan
-        check_backward_order("permute", plan.group)
-        back = c.partner(_Permute, grad, plan.inverse())
-        return (back if ctx.needs_input_grad[0] else None), None
+    def adjoint(plan: _Plan) -> Adjoint:
+        return _Permute, plan.inverse()
 
 
 def permute(
@@ -113,7 +103,7 @@ def permute(
     elif wanted is None:  # inside torch.compile: every rank's shape taken to be this rank's
         assume_alike(desc, g, list(x.shape), "recv_shape=")
         wanted = tuple(x.shape)
-    return c.apply(_Permute, x, _Plan(g, perm, wanted, tuple(x.shape)))
+    return apply(_Permute, x, _Plan(g, perm, wanted, tuple(x.shape)))
 
 
 def _check_recv_shape(
