@@ -12,28 +12,24 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from distgrad import _ops
-from distgrad._group import Group, ProcessGroup, resolve
+from distgrad._group import Group, ProcessGroup
 from distgrad.collectives import _common as c
 from distgrad.collectives._differentiable import Adjoint, Collective, Plan, apply
+from distgrad.collectives._fields import Choice, Dim, Reduction, Sizes
 from distgrad.collectives._reduce_slices import reduce_stacked
-from distgrad.collectives._signature import Choice, Signature, sizes_along
+from distgrad.collectives._signature import Signature, sizes_along
 from distgrad.collectives.all_to_all import apply_all_to_all
 
 __all__ = ["all_gather", "apply_all_gather", "apply_reduce_scatter", "reduce_scatter"]
 
 ALL_GATHER = Signature(
     "all_gather",
-    fields=("dim", Choice("objective", c.OBJECTIVES)),
-    lists=("sizes",),
-    same_lists=("sizes",),
+    fields=(Dim(), Choice("objective", c.OBJECTIVES)),
+    lists=(Sizes(rule="own"),),
     shapes="except_dim",
 )
 REDUCE_SCATTER = Signature(
-    "reduce_scatter",
-    fields=(Choice("op", c.REDUCE_OPS), "dim"),
-    lists=("sizes",),
-    same_lists=("sizes",),
-    shapes="equal",
+    "reduce_scatter", fields=(Reduction(), Dim()), lists=(Sizes(rule="split"),), shapes="equal"
 )
 
 
@@ -136,32 +132,10 @@ def all_gather(
     On gloo, with equal sizes under 256 KB per rank, the backward is an all_reduce and a slice
     instead: fewer round trips (docs/semantics.md, "How the data moves on gloo").
     """
-    g = resolve(group, "all_gather")
-    desc = f"all_gather(dim={dim})"
-    dim, problem = c.normalize_dim(dim, c.ndim_of(x))
-    problem = problem or c.objective_problem(objective)
-    if problem is None and sizes is not None:
-        problem = c.sizes_problem("sizes", sizes, g.size) or _own_size_problem(
-            sizes, g.rank, c.extent(x, dim), dim
-        )
-    g, calls = ALL_GATHER.check(
-        g,
-        desc,
-        x,
-        {"dim": dim, "objective": objective},
-        {"sizes": sizes},
-        problem,
-        dim=dim,
-        sizes_known=sizes is not None,
-    )
-    plan_sizes = sizes_along(desc, g, calls, sizes, dim, c.extent(x, dim))
-    return apply_all_gather(x, g, plan_sizes, dim, objective)
-
-
-def _own_size_problem(sizes: Sequence[int], rank: int, mine: int, dim: int) -> str | None:
-    if sizes[rank] != mine:
-        return f"sizes[{rank}] is {sizes[rank]}, but this rank's x has {mine} along dim {dim}"
-    return None
+    call = ALL_GATHER.bind(group, x, dim=dim, objective=objective, sizes=sizes)
+    dim = call["dim"]
+    plan_sizes = sizes_along(call, call["sizes"], c.extent(x, dim))
+    return apply_all_gather(x, call.group, plan_sizes, dim, objective)
 
 
 def reduce_scatter(
@@ -193,14 +167,5 @@ def reduce_scatter(
     backward 1 all_gather of the gradient (sum, avg) or 1 all_to_all of the same size as the
     forward's (prod, max, min). No metadata once the first calls on the group are checked.
     """
-    g = resolve(group, "reduce_scatter")
-    name = c.op_name(op)
-    desc = f"reduce_scatter(op={name!r}, dim={dim})"
-    dim, problem = c.normalize_dim(dim, c.ndim_of(x))
-    problem = problem or c.op_problem(name) or c.reduce_dtype_problem(name, x)
-    plan_sizes, size_problem = c.split_sizes("sizes", sizes, c.extent(x, dim), g.size)
-    problem = problem or size_problem
-    g, _ = REDUCE_SCATTER.check(
-        g, desc, x, {"op": name, "dim": dim}, {"sizes": plan_sizes}, problem, dim=dim
-    )
-    return apply_reduce_scatter(x, g, plan_sizes, dim, name)
+    call = REDUCE_SCATTER.bind(group, x, op=op, dim=dim, sizes=sizes)
+    return apply_reduce_scatter(x, call.group, call["sizes"], call["dim"], call["op"])

@@ -11,19 +11,16 @@ from __future__ import annotations
 from torch import Tensor
 
 from distgrad import _ops
-from distgrad._group import Group, ProcessGroup, resolve
+from distgrad._group import Group, ProcessGroup
 from distgrad.collectives import _common as c
 from distgrad.collectives._differentiable import Adjoint, Collective, Plan, apply
-from distgrad.collectives._signature import Choice, Signature
+from distgrad.collectives._fields import Choice, Reduction
+from distgrad.collectives._signature import Signature
 from distgrad.collectives.all_gather import apply_all_gather, apply_reduce_scatter
 
 __all__ = ["all_reduce", "apply_all_reduce"]
 
-SIGNATURE = Signature(
-    "all_reduce",
-    fields=(Choice("op", c.REDUCE_OPS), Choice("objective", c.OBJECTIVES)),
-    shapes="equal",
-)
+SIGNATURE = Signature("all_reduce", fields=(Reduction(), Choice("objective", c.OBJECTIVES)))
 
 
 class _AllReduceSum(Collective):
@@ -87,10 +84,5 @@ def all_reduce(
     plus 1 all_to_all-based reduce-scatter (prod, max, min). No metadata once the first calls
     on the group are checked (docs/semantics.md).
     """
-    g = resolve(group, "all_reduce")
-    name = c.op_name(op)
-    desc = f"all_reduce(op={name!r})"
-    problem = c.op_problem(name) or c.objective_problem(objective)
-    problem = problem or c.reduce_dtype_problem(name, x)
-    g, _ = SIGNATURE.check(g, desc, x, {"op": name, "objective": objective}, problem=problem)
-    return apply_all_reduce(x, g, name, objective)
+    call = SIGNATURE.bind(group, x, op=op, objective=objective)
+    return apply_all_reduce(x, call.group, call["op"], objective)

@@ -8,10 +8,11 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from distgrad import _ops
-from distgrad._group import Group, ProcessGroup, resolve
+from distgrad._group import Group, ProcessGroup
 from distgrad._meta import RankCall
 from distgrad.collectives import _common as c
 from distgrad.collectives._differentiable import Adjoint, Collective, Plan, apply
+from distgrad.collectives._fields import Dim, Sizes
 from distgrad.collectives._signature import Signature
 from distgrad.errors import CollectiveMismatchError
 
@@ -19,8 +20,11 @@ __all__ = ["all_to_all", "apply_all_to_all"]
 
 SIGNATURE = Signature(
     "all_to_all",
-    fields=("dim",),
-    lists=("input_sizes", "output_sizes"),
+    fields=(Dim(),),
+    lists=(
+        Sizes("input_sizes", rule="split", same=False),
+        Sizes("output_sizes", rule="any", same=False, even_with="input_sizes"),
+    ),
     shapes="except_dim",
     known_by="output_sizes",
     assumes_alike=False,
@@ -91,31 +95,14 @@ def all_to_all(
     Communication: forward 1 all_to_all of x, plus the size exchange when ``output_sizes`` must
     be learned; backward 1 all_to_all of the gradient.
     """
-    g = resolve(group, "all_to_all")
-    desc = f"all_to_all(dim={dim})"
-    dim, problem = c.normalize_dim(dim, c.ndim_of(x))
-    sent, size_problem = c.split_sizes("input_sizes", input_sizes, c.extent(x, dim), g.size)
-    problem = problem or size_problem
-    if problem is None and output_sizes is not None:
-        problem = c.sizes_problem("output_sizes", output_sizes, g.size)
-    even = input_sizes is None and output_sizes is None
-    expected = sent if even else (tuple(output_sizes) if output_sizes is not None else None)
-    g, calls = SIGNATURE.check(
-        g,
-        desc,
-        x,
-        {"dim": dim},
-        {"input_sizes": sent, "output_sizes": expected},
-        problem,
-        dim=dim,
-        sizes_known=expected is not None,
-    )
-    if g.size == 1:
+    call = SIGNATURE.bind(group, x, dim=dim, input_sizes=input_sizes, output_sizes=output_sizes)
+    if call.group.size == 1:
         return x.clone()
-    if calls is not None:
-        expected = _check_table(desc, g, calls)
+    expected = call["output_sizes"]
+    if call.calls is not None:
+        expected = _check_table(call.desc, call.group, call.calls)
     assert expected is not None, "a call whose output sizes are unknown exchanges metadata"
-    return apply_all_to_all(x, g, sent, expected, dim)
+    return apply_all_to_all(x, call.group, call["input_sizes"], expected, call["dim"])
 
 
 def _check_table(desc: str, group: Group, calls: list[RankCall]) -> tuple[int, ...]:

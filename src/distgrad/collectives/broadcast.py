@@ -11,19 +11,18 @@ import torch
 from torch import Tensor
 
 from distgrad import _ops
-from distgrad._group import Group, ProcessGroup, resolve
+from distgrad._group import Group, ProcessGroup
 from distgrad.collectives import _common as c
 from distgrad.collectives._differentiable import Adjoint, Collective, Plan, apply
-from distgrad.collectives._signature import Choice, Signature
+from distgrad.collectives._fields import Choice, Rank, Reduction
+from distgrad.collectives._signature import Signature
 from distgrad.collectives.all_gather import apply_reduce_scatter
 from distgrad.collectives.gather import apply_gather
 
 __all__ = ["broadcast", "reduce"]
 
-BROADCAST = Signature(
-    "broadcast", fields=("src", Choice("objective", c.OBJECTIVES)), shapes="equal"
-)
-REDUCE = Signature("reduce", fields=("dst", Choice("op", c.REDUCE_OPS)), shapes="equal")
+BROADCAST = Signature("broadcast", fields=(Rank("src"), Choice("objective", c.OBJECTIVES)))
+REDUCE = Signature("reduce", fields=(Rank("dst"), Reduction()))
 
 
 @dataclass(frozen=True)
@@ -86,10 +85,7 @@ def broadcast(
     Communication: forward 1 broadcast of x; backward 1 reduce (none when replicated). No
     metadata once the first calls on the group are checked.
     """
-    g = resolve(group, "broadcast")
-    desc = f"broadcast(src={src})"
-    problem = c.rank_problem("src", src, g.size) or c.objective_problem(objective)
-    g, _ = BROADCAST.check(g, desc, x, {"src": src, "objective": objective}, problem=problem)
+    g = BROADCAST.bind(group, x, src=src, objective=objective).group
     if g.size == 1:
         return x.clone()
     return apply(_Broadcast, x, _Plan(g, src, objective=objective))
@@ -120,15 +116,10 @@ def reduce(
     backward 1 broadcast (sum, avg) or 1 scatter plus 1 all_to_all (prod, max, min). No metadata
     once the first calls on the group are checked.
     """
-    g = resolve(group, "reduce")
-    name = c.op_name(op)
-    desc = f"reduce(dst={dst}, op={op!r})"
-    problem = c.rank_problem("dst", dst, g.size) or c.op_problem(name)
-    problem = problem or c.reduce_dtype_problem(name, x)
-    g, _ = REDUCE.check(g, desc, x, {"dst": dst, "op": name}, problem=problem)
-    if g.size == 1:
+    call = REDUCE.bind(group, x, dst=dst, op=op)
+    if call.group.size == 1:
         return x.clone()
-    return _apply_reduce(x, g, dst, name)
+    return _apply_reduce(x, call.group, dst, call["op"])
 
 
 def _apply_reduce(x: Tensor, group: Group, dst: int, op: str) -> Tensor:
