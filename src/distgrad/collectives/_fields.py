@@ -31,7 +31,7 @@ from distgrad.collectives import _common as c
 __all__ = ["Args", "Choice", "Dim", "ListField", "Perm", "Rank", "Reduction", "Shape", "Sizes"]
 
 
-@dataclass
+@dataclass(slots=True)
 class Args:
     """One call's arguments as its fields check them: what was passed, and what the fields
     before have made of theirs (so ``sizes`` reads the checked ``dim``)."""

@@ -28,6 +28,7 @@ that rank. Inside ``torch.compile`` nothing is exchanged or counted.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
@@ -105,7 +106,7 @@ def _next_call(group: Group) -> int:
 Shapes = Literal["equal", "except_dim", "free"]
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Bound:
     """A checked call: its group (marked with the call in debug mode), its description, every
     rank's call when it exchanged metadata, and each argument as its field made it
@@ -147,9 +148,17 @@ class Signature:
     # Inside torch.compile, whether a call without ``known_by`` takes its peers' sizes to be
     # its own (checked on the device by ``assume_alike``); otherwise the graph breaks there.
     assumes_alike: bool = True
+    # What bind() walks on every call, made once in __post_init__ rather than per call.
+    _typed_lists: tuple[ListField, ...] = dataclasses.field(init=False, repr=False, compare=False)
+    _arguments: tuple[ScalarField | ListField, ...] = dataclasses.field(
+        init=False, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         named(self.op)  # so that every rank can name this op when a peer calls it
+        typed = tuple(f for f in self.lists if not isinstance(f, str))
+        object.__setattr__(self, "_typed_lists", typed)
+        object.__setattr__(self, "_arguments", (*self.fields, *typed))
 
     def bind(self, group: ProcessGroup | None, x: object, **passed: Any) -> Bound:
         """Check one call of the op: every field's local check, in declared order (the first
@@ -159,28 +168,28 @@ class Signature:
         ``passed``: every declared argument, by its name, as the caller passed it.
         """
         g = resolve(group, self.op)
-        assert len(passed) == len(self.fields) + len(self.lists), f"{self.op}: {sorted(passed)}"
+        arguments, typed_lists = self._arguments, self._typed_lists
+        assert len(passed) == len(arguments) == len(self.fields) + len(self.lists), self.op
         desc = self.describe(passed)
         args = Args(g, x, passed, self.tensor_on == "some", {})
+        values = args.values
         problem = None
-        for field in (*self.fields, *self.lists):
-            assert not isinstance(field, str), f"{self.op}: a plain list has no local check"
+        for field in arguments:
             if problem is None:
-                args.values[field.name], problem = field.local(passed[field.name], args)
+                values[field.name], problem = field.local(passed[field.name], args)
             else:
-                args.values[field.name] = None  # not checked: the call raises anyway
-        known = all(f.known(passed) for f in self.lists if not isinstance(f, str))
-        group_, calls = self.check(
+                values[field.name] = None  # not checked: the call raises anyway
+        checked, calls = self.check(
             g,
             desc,
             x,
-            [f.code(args.values[f.name], args) for f in self.fields],
-            {f.name: args.values[f.name] for f in self.lists if not isinstance(f, str)},
+            [f.code(values[f.name], args) for f in self.fields],
+            {f.name: values[f.name] for f in typed_lists},
             problem,
             dim=args.dim,
-            sizes_known=known,
+            sizes_known=all(f.known(passed) for f in typed_lists),
         )
-        return Bound(group_, desc, calls, args.values)
+        return Bound(checked, desc, calls, values)
 
     def describe(self, passed: Mapping[str, Any]) -> str:
         """The call as messages name it: ``all_gather(dim=0)``, ``reduce(dst=0, op='sum')``."""
