@@ -309,8 +309,8 @@ LOCAL = [
         lambda r, g: dg.scatter(_one(r, _rows(4), None), 0, g, sizes=[2, 2]),
         ("scatter(src=0, dim=0)", "scatter(src=0, dim=0)"),
         1,
-        "x must be a tensor shaped like this rank's part when sizes is given (as "
-        "torch.distributed.scatter's output tensor), got None",
+        "x must be a tensor shaped like this rank's part (its dtype and trailing dims, as "
+        "torch.distributed.scatter's output tensor) when sizes is given, got None",
     ),
     Local(
         "permute",

@@ -191,8 +191,9 @@ class Sizes:
         if self.rule == "parts" and not isinstance(args.x, Tensor):
             got = "None" if args.x is None else type(args.x).__qualname__
             return None, (
-                f"x must be a tensor shaped like this rank's part when {self.name} is given (as "
-                f"torch.distributed.scatter's output tensor), got {got}; or pass neither"
+                f"x must be a tensor shaped like this rank's part (its dtype and trailing dims, "
+                f"as torch.distributed.scatter's output tensor) when {self.name} is given, got "
+                f"{got}; or pass neither"
             )
         mine = c.extent(args.x, dim)
         if self.rule in ("own", "parts") and value[rank] != mine:
