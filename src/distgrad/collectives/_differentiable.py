@@ -92,12 +92,11 @@ def _backward_of(op: type[Collective]) -> Any:
         else:
             # A collective every rank runs, whether or not this rank's input wants its result.
             back = partner(*op.adjoint(plan), grad)
+        needs = ctx.needs_input_grad
         # An anchor's values reach no output: its gradient is zeros, and torch.autograd.grad
         # may ask for it like any input.
-        anchor = (
-            ctx.anchor_like.new_zeros(ctx.anchor_like.shape) if ctx.needs_input_grad[2] else None
-        )
-        return (back if ctx.needs_input_grad[0] else None), None, anchor
+        anchor = ctx.anchor_like.new_zeros(ctx.anchor_like.shape) if needs[2] else None
+        return (back if needs[0] else None), None, anchor
 
     return backward
 
