@@ -1,9 +1,12 @@
-"""Cross-rank validation, declared once per op and read by one function.
+"""Argument checks, declared once per op and read by one function.
 
-Each op declares a :class:`Signature`: which of its arguments every rank must pass alike, which
-integer lists it carries (``sizes``, ``perm``, ...), and how the ranks' tensor shapes must relate.
-:meth:`Signature.check` then decides whether this call exchanges metadata, and if it does,
-checks every rank's call against the declaration, so every op body is the few lines of its work.
+Each op declares a :class:`Signature`: its arguments as typed fields (``distgrad.collectives.
+_fields``: each gives its local check, its code across ranks and the words of its messages),
+the integer lists it carries (``sizes``, ``perm``, ...), and how the ranks' tensor shapes must
+relate. :meth:`Signature.bind` checks a call's arguments on this rank, names the call in every
+message (``reduce(dst=0, op='sum')``), decides whether this call exchanges metadata, and if it
+does, checks every rank's call against the declaration, so every op body is the few lines of
+its work.
 
 When a call exchanges metadata (``distgrad._meta``):
 
@@ -25,15 +28,16 @@ that rank. Inside ``torch.compile`` nothing is exchanged or counted.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
 
 from distgrad import _comm, _ops
-from distgrad._group import Group, on_forget
+from distgrad._group import Group, ProcessGroup, on_forget, resolve
 from distgrad._meta import (
     RankCall,
     debug_enabled,
@@ -45,11 +49,12 @@ from distgrad._meta import (
     show,
 )
 from distgrad._wait import note_call
+from distgrad.collectives._fields import Args, ListField, ScalarField
 from distgrad.errors import CollectiveArgumentError, CollectiveMismatchError
 
 __all__ = [
     "CHECKED_CALLS",
-    "Choice",
+    "Bound",
     "Signature",
     "assume_alike",
     "break_for_sizes",
@@ -98,25 +103,35 @@ def _next_call(group: Group) -> int:
     return count
 
 
-@dataclass(frozen=True)
-class Choice:
-    """An argument that takes one of a few names (``op``, ``objective``)."""
-
-    name: str
-    options: tuple[str, ...]
-
-
-Field = str | Choice
 Shapes = Literal["equal", "except_dim", "free"]
+
+
+@dataclass(slots=True)
+class Bound:
+    """A checked call: its group (marked with the call in debug mode), its description, every
+    rank's call when it exchanged metadata, and each argument as its field made it
+    (``bound["dim"]`` non-negative, ``bound["op"]`` a name, ``bound["sizes"]`` split)."""
+
+    group: Group
+    desc: str
+    calls: list[RankCall] | None
+    values: Mapping[str, Any]
+
+    def __getitem__(self, name: str) -> Any:
+        return self.values[name]
 
 
 @dataclass(frozen=True)
 class Signature:
-    """What must hold across the ranks of one op's call.
+    """An op's arguments, declared once: what each rank checks alone, and what must hold across
+    the ranks of one call.
 
-    * ``fields``: integer or :class:`Choice` arguments every rank passes alike;
-    * ``lists``: up to two integer lists carried whole, so messages show them (never a hash);
-      those also in ``same_lists`` must be equal on every rank, or absent on every rank;
+    * ``fields``: typed scalar arguments every rank passes alike (``distgrad.collectives._fields``:
+      each gives its local check, its code in the handshake and its messages);
+    * ``lists``: up to two typed integer lists carried whole, so messages show them (never a
+      hash); a list field says whether every rank passes the same one. (A list named by a plain
+      string has no local check, and is the same on every rank if it is in ``same_lists``: the
+      losses', whose checks are their own.)
     * ``shapes``: ``"equal"`` (same shape everywhere), ``"except_dim"`` (same shape but along
       ``dim``) or ``"free"``; dtype and device type always match, and so does whether ``x``
       requires grad (with grad mode on);
@@ -124,8 +139,8 @@ class Signature:
     """
 
     op: str
-    fields: tuple[Field, ...] = ()
-    lists: tuple[str, ...] = ()
+    fields: tuple[ScalarField, ...] = ()
+    lists: tuple[str | ListField, ...] = ()
     same_lists: tuple[str, ...] = ()
     shapes: Shapes = "equal"
     tensor_on: Literal["every", "some"] = "every"
@@ -133,16 +148,60 @@ class Signature:
     # Inside torch.compile, whether a call without ``known_by`` takes its peers' sizes to be
     # its own (checked on the device by ``assume_alike``); otherwise the graph breaks there.
     assumes_alike: bool = True
+    # What bind() walks on every call, made once in __post_init__ rather than per call.
+    _typed_lists: tuple[ListField, ...] = dataclasses.field(init=False, repr=False, compare=False)
+    _arguments: tuple[ScalarField | ListField, ...] = dataclasses.field(
+        init=False, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         named(self.op)  # so that every rank can name this op when a peer calls it
+        typed = tuple(f for f in self.lists if not isinstance(f, str))
+        object.__setattr__(self, "_typed_lists", typed)
+        object.__setattr__(self, "_arguments", (*self.fields, *typed))
+
+    def bind(self, group: ProcessGroup | None, x: object, **passed: Any) -> Bound:
+        """Check one call of the op: every field's local check, in declared order (the first
+        problem is this rank's), then, when the call is checked across ranks, every rank's
+        call against the declaration; raise for any problem, on every rank that exchanged.
+
+        ``passed``: every declared argument, by its name, as the caller passed it.
+        """
+        g = resolve(group, self.op)
+        arguments, typed_lists = self._arguments, self._typed_lists
+        assert len(passed) == len(arguments) == len(self.fields) + len(self.lists), self.op
+        desc = self.describe(passed)
+        args = Args(g, x, passed, self.tensor_on == "some", {})
+        values = args.values
+        problem = None
+        for field in arguments:
+            if problem is None:
+                values[field.name], problem = field.local(passed[field.name], args)
+            else:
+                values[field.name] = None  # not checked: the call raises anyway
+        checked, calls = self.check(
+            g,
+            desc,
+            x,
+            [f.code(values[f.name], args) for f in self.fields],
+            {f.name: values[f.name] for f in typed_lists},
+            problem,
+            dim=args.dim,
+            sizes_known=all(f.known(passed) for f in typed_lists),
+        )
+        return Bound(checked, desc, calls, values)
+
+    def describe(self, passed: Mapping[str, Any]) -> str:
+        """The call as messages name it: ``all_gather(dim=0)``, ``reduce(dst=0, op='sum')``."""
+        shown = [f"{f.name}={f.describe(passed[f.name])}" for f in self.fields if f.shown]
+        return f"{self.op}({', '.join(shown)})" if shown else self.op
 
     def check(
         self,
         group: Group,
         desc: str,
         x: object,
-        values: Mapping[str, int | str] | None = None,
+        codes: Sequence[int] = (),
         lists: Mapping[str, Sequence[int] | None] | None = None,
         problem: str | None = None,
         *,
@@ -157,7 +216,6 @@ class Signature:
         call exchanges metadata; inside torch.compile it returns no calls when the signature
         ``assumes_alike``, and the op calls :func:`assume_alike`).
         """
-        values = values or {}
         lists = lists or {}
         problem = problem or _tensor_problem(x, self.tensor_on)
         if torch.compiler.is_compiling() and not sizes_known and not self.assumes_alike:
@@ -176,8 +234,8 @@ class Signature:
                 raise CollectiveArgumentError(f"{desc} on rank {group.rank}: {problem}")
             return group, None
         tensor = x if isinstance(x, Tensor) else None
-        codes = [_encode_field(f, values[_name(f)]) for f in self.fields] + [int(sizes_known)]
-        carried = [lists.get(name) for name in self.lists]
+        codes = [*codes, int(sizes_known)]
+        carried = [lists.get(_name(field)) for field in self.lists]
         calls = exchange(self.op, desc, group, tensor, codes, carried, problem, call)
         self._check_calls(desc, group, calls, dim)
         return group, calls
@@ -188,9 +246,9 @@ class Signature:
                 desc,
                 group,
                 calls,
-                _name(field),
-                lambda c, i=i, f=field: _shown_field(f, c.args[i]),  # type: ignore[misc]
-                f"every rank must pass the same {_name(field)}",
+                field.name,
+                lambda c, i=i, f=field: f.show(c.args[i]),  # type: ignore[misc]
+                f"every rank must pass the same {field.name}",
             )
         require_same(
             desc,
@@ -201,8 +259,9 @@ class Signature:
             f"pass {self.known_by} on every rank, or on none (a rank without it learns the "
             "sizes from its peers, and that exchange needs every rank)",
         )
-        for i, name in enumerate(self.lists):
-            if name in self.same_lists:
+        for i, listed in enumerate(self.lists):
+            name = _name(listed)
+            if name in self.same_lists or getattr(listed, "same", False):
                 require_same(
                     desc,
                     group,
@@ -281,24 +340,17 @@ class Signature:
             )
 
 
-def sizes_along(
-    desc: str,
-    group: Group,
-    calls: Sequence[RankCall] | None,
-    given: Sequence[int] | None,
-    dim: int,
-    extent: int,
-) -> tuple[int, ...]:
-    """Every rank's extent along ``dim``: from the exchange when the call made one (checked
-    against ``given``), else ``given``; inside torch.compile without either, this rank's
-    extent on every rank, checked on the device (:func:`assume_alike`)."""
-    if calls is not None:
-        return sizes_from(desc, group, calls, given, dim)
+def sizes_along(call: Bound, given: Sequence[int] | None, extent: int) -> tuple[int, ...]:
+    """Every rank's extent along the call's dim: from the exchange when the call made one
+    (checked against ``given``), else ``given``; inside torch.compile without either, this
+    rank's ``extent`` on every rank, checked on the device (:func:`assume_alike`)."""
+    if call.calls is not None:
+        return sizes_from(call.desc, call.group, call.calls, given, call["dim"])
     if given is not None:
         return tuple(given)
-    if group.size > 1:
-        assume_alike(desc, group, [extent], "sizes=")
-    return (extent,) * group.size
+    if call.group.size > 1:
+        assume_alike(call.desc, call.group, [extent], "sizes=")
+    return (extent,) * call.group.size
 
 
 def sizes_from(
@@ -356,20 +408,8 @@ def break_for_sizes(desc: str, known_by: str) -> None:
     )
 
 
-def _name(field: Field) -> str:
-    return field.name if isinstance(field, Choice) else field
-
-
-def _encode_field(field: Field, value: int | str) -> int:
-    if isinstance(field, Choice):
-        return field.options.index(str(value)) if value in field.options else -1
-    return value if isinstance(value, int) else -1  # an invalid value is a problem already
-
-
-def _shown_field(field: Field, code: int) -> object:
-    if isinstance(field, Choice):
-        return field.options[code] if 0 <= code < len(field.options) else "?"
-    return code
+def _name(field: str | ListField) -> str:
+    return field if isinstance(field, str) else field.name
 
 
 def _shown_list(values: tuple[int, ...] | None) -> str:

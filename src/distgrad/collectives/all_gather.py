@@ -7,48 +7,41 @@ slices in rank order, so rank i's slice starts at ``offsets(sizes)[i]``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import dataclass
 
-import torch
 from torch import Tensor
-from torch.autograd.function import FunctionCtx
 
 from distgrad import _ops
-from distgrad._group import Group, ProcessGroup, resolve
+from distgrad._group import Group, ProcessGroup
 from distgrad.collectives import _common as c
-from distgrad.collectives._debug import check_backward_order, check_replicated
+from distgrad.collectives._differentiable import Adjoint, Collective, Plan, apply
+from distgrad.collectives._fields import Choice, Dim, Reduction, Sizes
 from distgrad.collectives._reduce_slices import reduce_stacked
-from distgrad.collectives._signature import Choice, Signature, sizes_along
+from distgrad.collectives._signature import Signature, sizes_along
 from distgrad.collectives.all_to_all import apply_all_to_all
 
 __all__ = ["all_gather", "apply_all_gather", "apply_reduce_scatter", "reduce_scatter"]
 
 ALL_GATHER = Signature(
     "all_gather",
-    fields=("dim", Choice("objective", c.OBJECTIVES)),
-    lists=("sizes",),
-    same_lists=("sizes",),
+    fields=(Dim(), Choice("objective", c.OBJECTIVES)),
+    lists=(Sizes(rule="own"),),
     shapes="except_dim",
 )
 REDUCE_SCATTER = Signature(
-    "reduce_scatter",
-    fields=(Choice("op", c.REDUCE_OPS), "dim"),
-    lists=("sizes",),
-    same_lists=("sizes",),
-    shapes="equal",
+    "reduce_scatter", fields=(Reduction(), Dim()), lists=(Sizes(rule="split"),), shapes="equal"
 )
 
 
 @dataclass(frozen=True)
-class _Plan:
-    group: Group
+class _Plan(Plan):
     sizes: tuple[int, ...]
     dim: int
-    objective: c.Objective = "sum"
 
 
-class _AllGather(torch.autograd.Function):
+class _AllGather(Collective):
+    name = "all_gather"
+
     @staticmethod
     def run(x: Tensor, plan: _Plan) -> Tensor:
         moved = c.as_bytes(c.to_front(x, plan.dim))
@@ -56,42 +49,27 @@ class _AllGather(torch.autograd.Function):
         return c.output(c.from_front(gathered, plan.dim))
 
     @staticmethod
-    def forward(ctx: FunctionCtx, x: Tensor, plan: _Plan) -> Tensor:
-        ctx.plan = plan  # type: ignore[attr-defined]
-        return _AllGather.run(x, plan)
+    def adjoint(plan: _Plan) -> Adjoint:
+        return _ReduceScatterSum, plan
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None]:
-        plan: _Plan = ctx.plan
-        check_backward_order("all_gather", plan.group)
-        if plan.objective == "replicated":
-            # Every rank holds the same gradient of one shared loss: keep this rank's slice.
-            check_replicated("all_gather", plan.group, grad)
-            start = c.offsets(plan.sizes)[plan.group.rank]
-            local = grad.narrow(plan.dim, start, plan.sizes[plan.group.rank])
-        else:
-            local = c.partner(_ReduceScatterSum, grad, plan)
-        return (local if ctx.needs_input_grad[0] else None), None
+    def replicated(grad: Tensor, plan: _Plan) -> Tensor:
+        # Every rank holds the same gradient of one shared loss: keep this rank's slice.
+        start = c.offsets(plan.sizes)[plan.group.rank]
+        return grad.narrow(plan.dim, start, plan.sizes[plan.group.rank])
 
 
-class _ReduceScatterSum(torch.autograd.Function):
+class _ReduceScatterSum(Collective):
+    name = "reduce_scatter"
+
     @staticmethod
     def run(x: Tensor, plan: _Plan) -> Tensor:
         summed = _ops.reduce_scatter(c.to_front(x, plan.dim), plan.sizes, plan.group)
         return c.output(c.from_front(summed, plan.dim))
 
     @staticmethod
-    def forward(ctx: FunctionCtx, x: Tensor, plan: _Plan) -> Tensor:
-        ctx.plan = plan  # type: ignore[attr-defined]
-        return _ReduceScatterSum.run(x, plan)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None]:
-        plan: _Plan = ctx.plan
-        check_backward_order("reduce_scatter", plan.group)
-        summed = plan if plan.objective == "sum" else replace(plan, objective="sum")
-        full = c.partner(_AllGather, grad, summed)
-        return (full if ctx.needs_input_grad[0] else None), None
+    def adjoint(plan: _Plan) -> Adjoint:
+        return _AllGather, plan
 
 
 def apply_all_gather(
@@ -100,7 +78,7 @@ def apply_all_gather(
     """all_gather without the checks, for ops built on it (their arguments are checked)."""
     if group.size == 1:
         return x.clone()
-    return c.apply(_AllGather, x, _Plan(group, sizes, dim, objective))
+    return apply(_AllGather, x, _Plan(group, sizes, dim, objective=objective))
 
 
 def apply_reduce_scatter(
@@ -112,7 +90,7 @@ def apply_reduce_scatter(
     if group.size == 1:
         return x.clone()
     if op == "sum":
-        return c.apply(_ReduceScatterSum, x, _Plan(group, sizes, dim))
+        return apply(_ReduceScatterSum, x, _Plan(group, sizes, dim))
     # prod, max, min: every rank receives the N slices of its part and reduces them locally, so
     # the gradient is the local reduction's (ties split evenly, zeros exact) and all_to_all
     # (self-adjoint) routes it back to the owners.
@@ -154,32 +132,10 @@ def all_gather(
     On gloo, with equal sizes under 256 KB per rank, the backward is an all_reduce and a slice
     instead: fewer round trips (docs/semantics.md, "How the data moves on gloo").
     """
-    g = resolve(group, "all_gather")
-    desc = f"all_gather(dim={dim})"
-    dim, problem = c.normalize_dim(dim, c.ndim_of(x))
-    problem = problem or c.objective_problem(objective)
-    if problem is None and sizes is not None:
-        problem = c.sizes_problem("sizes", sizes, g.size) or _own_size_problem(
-            sizes, g.rank, c.extent(x, dim), dim
-        )
-    g, calls = ALL_GATHER.check(
-        g,
-        desc,
-        x,
-        {"dim": dim, "objective": objective},
-        {"sizes": sizes},
-        problem,
-        dim=dim,
-        sizes_known=sizes is not None,
-    )
-    plan_sizes = sizes_along(desc, g, calls, sizes, dim, c.extent(x, dim))
-    return apply_all_gather(x, g, plan_sizes, dim, objective)
-
-
-def _own_size_problem(sizes: Sequence[int], rank: int, mine: int, dim: int) -> str | None:
-    if sizes[rank] != mine:
-        return f"sizes[{rank}] is {sizes[rank]}, but this rank's x has {mine} along dim {dim}"
-    return None
+    call = ALL_GATHER.bind(group, x, dim=dim, objective=objective, sizes=sizes)
+    dim = call["dim"]
+    plan_sizes = sizes_along(call, call["sizes"], c.extent(x, dim))
+    return apply_all_gather(x, call.group, plan_sizes, dim, objective)
 
 
 def reduce_scatter(
@@ -211,14 +167,5 @@ def reduce_scatter(
     backward 1 all_gather of the gradient (sum, avg) or 1 all_to_all of the same size as the
     forward's (prod, max, min). No metadata once the first calls on the group are checked.
     """
-    g = resolve(group, "reduce_scatter")
-    name = c.op_name(op)
-    desc = f"reduce_scatter(op={name!r}, dim={dim})"
-    dim, problem = c.normalize_dim(dim, c.ndim_of(x))
-    problem = problem or c.op_problem(name) or c.reduce_dtype_problem(name, x)
-    plan_sizes, size_problem = c.split_sizes("sizes", sizes, c.extent(x, dim), g.size)
-    problem = problem or size_problem
-    g, _ = REDUCE_SCATTER.check(
-        g, desc, x, {"op": name, "dim": dim}, {"sizes": plan_sizes}, problem, dim=dim
-    )
-    return apply_reduce_scatter(x, g, plan_sizes, dim, name)
+    call = REDUCE_SCATTER.bind(group, x, op=op, dim=dim, sizes=sizes)
+    return apply_reduce_scatter(x, call.group, call["sizes"], call["dim"], call["op"])

@@ -8,56 +8,35 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
-import torch
 from torch import Tensor
-from torch.autograd.function import FunctionCtx
 
 from distgrad import _ops
-from distgrad._group import Group, ProcessGroup, resolve
+from distgrad._group import Group, ProcessGroup
 from distgrad.collectives import _common as c
-from distgrad.collectives._debug import check_backward_order, check_replicated
-from distgrad.collectives._signature import Choice, Signature
+from distgrad.collectives._differentiable import Adjoint, Collective, Plan, apply
+from distgrad.collectives._fields import Choice, Reduction
+from distgrad.collectives._signature import Signature
 from distgrad.collectives.all_gather import apply_all_gather, apply_reduce_scatter
 
 __all__ = ["all_reduce", "apply_all_reduce"]
 
-SIGNATURE = Signature(
-    "all_reduce",
-    fields=(Choice("op", c.REDUCE_OPS), Choice("objective", c.OBJECTIVES)),
-    shapes="equal",
-)
+SIGNATURE = Signature("all_reduce", fields=(Reduction(), Choice("objective", c.OBJECTIVES)))
 
 
-@dataclass(frozen=True)
-class _Plan:
-    group: Group
-    objective: c.Objective
+class _AllReduceSum(Collective):
+    name = "all_reduce"
 
-
-class _AllReduceSum(torch.autograd.Function):
     @staticmethod
-    def run(x: Tensor, plan: _Plan) -> Tensor:
+    def run(x: Tensor, plan: Plan) -> Tensor:
         return c.output(_ops.all_reduce(x, "sum", plan.group))
 
     @staticmethod
-    def forward(ctx: FunctionCtx, x: Tensor, plan: _Plan) -> Tensor:
-        ctx.plan = plan  # type: ignore[attr-defined]
-        return _AllReduceSum.run(x, plan)
+    def adjoint(plan: Plan) -> Adjoint:
+        return _AllReduceSum, plan
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None]:
-        plan: _Plan = ctx.plan
-        check_backward_order("all_reduce", plan.group)
-        if plan.objective == "replicated":
-            # One shared loss: d loss / d x_r is the incoming gradient itself.
-            check_replicated("all_reduce", plan.group, grad)
-            back = grad
-        else:
-            back = c.partner(_AllReduceSum, grad, plan)
-        return (back if ctx.needs_input_grad[0] else None), None
+    def replicated(grad: Tensor, plan: Plan) -> Tensor:
+        return grad  # one shared loss: d loss / d x_r is the incoming gradient itself
 
 
 def apply_all_reduce(x: Tensor, group: Group, op: str, objective: c.Objective = "sum") -> Tensor:
@@ -67,7 +46,7 @@ def apply_all_reduce(x: Tensor, group: Group, op: str, objective: c.Objective = 
     if op == "avg":
         return apply_all_reduce(x, group, "sum", objective) / group.size
     if op == "sum":
-        return c.apply(_AllReduceSum, x, _Plan(group, objective))
+        return apply(_AllReduceSum, x, Plan(group, objective=objective))
     flat = x.reshape(-1)
     sizes = tuple(c.near_even(flat.numel(), group.size))
     part = apply_reduce_scatter(flat, group, sizes, 0, op)
@@ -105,10 +84,5 @@ def all_reduce(
     plus 1 all_to_all-based reduce-scatter (prod, max, min). No metadata once the first calls
     on the group are checked (docs/semantics.md).
     """
-    g = resolve(group, "all_reduce")
-    name = c.op_name(op)
-    desc = f"all_reduce(op={name!r})"
-    problem = c.op_problem(name) or c.objective_problem(objective)
-    problem = problem or c.reduce_dtype_problem(name, x)
-    g, _ = SIGNATURE.check(g, desc, x, {"op": name, "objective": objective}, problem=problem)
-    return apply_all_reduce(x, g, name, objective)
+    call = SIGNATURE.bind(group, x, op=op, objective=objective)
+    return apply_all_reduce(x, call.group, call["op"], objective)

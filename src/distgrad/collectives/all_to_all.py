@@ -4,17 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
-import torch
 from torch import Tensor
-from torch.autograd.function import FunctionCtx
 
 from distgrad import _ops
-from distgrad._group import Group, ProcessGroup, resolve
+from distgrad._group import Group, ProcessGroup
 from distgrad._meta import RankCall
 from distgrad.collectives import _common as c
-from distgrad.collectives._debug import check_backward_order
+from distgrad.collectives._differentiable import Adjoint, Collective, Plan, apply
+from distgrad.collectives._fields import Dim, Sizes
 from distgrad.collectives._signature import Signature
 from distgrad.errors import CollectiveMismatchError
 
@@ -22,8 +20,11 @@ __all__ = ["all_to_all", "apply_all_to_all"]
 
 SIGNATURE = Signature(
     "all_to_all",
-    fields=("dim",),
-    lists=("input_sizes", "output_sizes"),
+    fields=(Dim(),),
+    lists=(
+        Sizes("input_sizes", rule="split", same=False),
+        Sizes("output_sizes", rule="any", same=False, even_with="input_sizes"),
+    ),
     shapes="except_dim",
     known_by="output_sizes",
     assumes_alike=False,
@@ -31,8 +32,7 @@ SIGNATURE = Signature(
 
 
 @dataclass(frozen=True)
-class _Plan:
-    group: Group
+class _Plan(Plan):
     input_sizes: tuple[int, ...]
     output_sizes: tuple[int, ...]
     dim: int
@@ -41,7 +41,9 @@ class _Plan:
         return _Plan(self.group, self.output_sizes, self.input_sizes, self.dim)
 
 
-class _AllToAll(torch.autograd.Function):
+class _AllToAll(Collective):
+    name = "all_to_all"
+
     @staticmethod
     def run(x: Tensor, plan: _Plan) -> Tensor:
         moved = c.as_bytes(c.to_front(x, plan.dim))
@@ -49,16 +51,8 @@ class _AllToAll(torch.autograd.Function):
         return c.output(c.from_front(c.from_bytes(out, x.dtype), plan.dim))
 
     @staticmethod
-    def forward(ctx: FunctionCtx, x: Tensor, plan: _Plan) -> Tensor:
-        ctx.plan = plan  # type: ignore[attr-defined]
-        return _AllToAll.run(x, plan)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None]:
-        plan: _Plan = ctx.plan
-        check_backward_order("all_to_all", plan.group)
-        back = c.partner(_AllToAll, grad, plan.swapped())
-        return (back if ctx.needs_input_grad[0] else None), None
+    def adjoint(plan: _Plan) -> Adjoint:
+        return _AllToAll, plan.swapped()
 
 
 def apply_all_to_all(
@@ -71,7 +65,7 @@ def apply_all_to_all(
     """all_to_all without the checks, for ops built on it (their arguments are checked)."""
     if group.size == 1:
         return x.clone()
-    return c.apply(_AllToAll, x, _Plan(group, input_sizes, output_sizes, dim))
+    return apply(_AllToAll, x, _Plan(group, input_sizes, output_sizes, dim))
 
 
 def all_to_all(
@@ -101,31 +95,14 @@ def all_to_all(
     Communication: forward 1 all_to_all of x, plus the size exchange when ``output_sizes`` must
     be learned; backward 1 all_to_all of the gradient.
     """
-    g = resolve(group, "all_to_all")
-    desc = f"all_to_all(dim={dim})"
-    dim, problem = c.normalize_dim(dim, c.ndim_of(x))
-    sent, size_problem = c.split_sizes("input_sizes", input_sizes, c.extent(x, dim), g.size)
-    problem = problem or size_problem
-    if problem is None and output_sizes is not None:
-        problem = c.sizes_problem("output_sizes", output_sizes, g.size)
-    even = input_sizes is None and output_sizes is None
-    expected = sent if even else (tuple(output_sizes) if output_sizes is not None else None)
-    g, calls = SIGNATURE.check(
-        g,
-        desc,
-        x,
-        {"dim": dim},
-        {"input_sizes": sent, "output_sizes": expected},
-        problem,
-        dim=dim,
-        sizes_known=expected is not None,
-    )
-    if g.size == 1:
+    call = SIGNATURE.bind(group, x, dim=dim, input_sizes=input_sizes, output_sizes=output_sizes)
+    if call.group.size == 1:
         return x.clone()
-    if calls is not None:
-        expected = _check_table(desc, g, calls)
+    expected = call["output_sizes"]
+    if call.calls is not None:
+        expected = _check_table(call.desc, call.group, call.calls)
     assert expected is not None, "a call whose output sizes are unknown exchanges metadata"
-    return apply_all_to_all(x, g, sent, expected, dim)
+    return apply_all_to_all(x, call.group, call["input_sizes"], expected, call["dim"])
 
 
 def _check_table(desc: str, group: Group, calls: list[RankCall]) -> tuple[int, ...]:

@@ -6,78 +6,61 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
-from torch.autograd.function import FunctionCtx
 
 from distgrad import _ops
-from distgrad._group import Group, ProcessGroup, resolve
+from distgrad._group import Group, ProcessGroup
 from distgrad.collectives import _common as c
-from distgrad.collectives._debug import check_backward_order, check_replicated
-from distgrad.collectives._signature import Choice, Signature
+from distgrad.collectives._differentiable import Adjoint, Collective, Plan, apply
+from distgrad.collectives._fields import Choice, Rank, Reduction
+from distgrad.collectives._signature import Signature
 from distgrad.collectives.all_gather import apply_reduce_scatter
 from distgrad.collectives.gather import apply_gather
 
 __all__ = ["broadcast", "reduce"]
 
-BROADCAST = Signature(
-    "broadcast", fields=("src", Choice("objective", c.OBJECTIVES)), shapes="equal"
-)
-REDUCE = Signature("reduce", fields=("dst", Choice("op", c.REDUCE_OPS)), shapes="equal")
+BROADCAST = Signature("broadcast", fields=(Rank("src"), Choice("objective", c.OBJECTIVES)))
+REDUCE = Signature("reduce", fields=(Rank("dst"), Reduction()))
 
 
 @dataclass(frozen=True)
-class _Plan:
-    group: Group
+class _Plan(Plan):
     root: int
-    objective: c.Objective = "sum"
 
 
-class _Broadcast(torch.autograd.Function):
+class _Broadcast(Collective):
+    name = "broadcast"
+
     @staticmethod
     def run(x: Tensor, plan: _Plan) -> Tensor:
         out = _ops.broadcast(c.as_bytes(x), plan.root, plan.group)
         return c.output(c.from_bytes(out, x.dtype))
 
     @staticmethod
-    def forward(ctx: FunctionCtx, x: Tensor, plan: _Plan) -> Tensor:
-        ctx.plan = plan  # type: ignore[attr-defined]
-        return _Broadcast.run(x, plan)
+    def adjoint(plan: _Plan) -> Adjoint:
+        # Non-source ranks get _ReduceSum's constant zeros: the right value, and connected to
+        # the graph, so a double backward takes them through the broadcast it starts.
+        return _ReduceSum, plan
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None]:
-        plan: _Plan = ctx.plan
-        check_backward_order("broadcast", plan.group)
-        if plan.objective == "replicated":
-            # One shared loss: the source's input gets the incoming gradient, nobody sums.
-            check_replicated("broadcast", plan.group, grad)
-            back = grad if plan.group.rank == plan.root else None
-        else:
-            # Non-source ranks get _ReduceSum's constant zeros: the right value, and connected to
-            # the graph, so a double backward takes them through the broadcast it starts.
-            back = c.partner(_ReduceSum, grad, _Plan(plan.group, plan.root))
-        return (back if ctx.needs_input_grad[0] else None), None
+    def replicated(grad: Tensor, plan: _Plan) -> Tensor | None:
+        # One shared loss: the source's input gets the incoming gradient, nobody sums.
+        return grad if plan.group.rank == plan.root else None
 
 
-class _ReduceSum(torch.autograd.Function):
+class _ReduceSum(Collective):
+    name = "reduce"
+
     @staticmethod
     def run(x: Tensor, plan: _Plan) -> Tensor:
         # Other ranks get a constant zero tensor: its gradient is zero and is never read.
         return c.output(_ops.reduce(x, plan.root, plan.group))
 
     @staticmethod
-    def forward(ctx: FunctionCtx, x: Tensor, plan: _Plan) -> Tensor:
-        ctx.plan = plan  # type: ignore[attr-defined]
-        return _ReduceSum.run(x, plan)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None]:
-        plan: _Plan = ctx.plan
-        check_backward_order("reduce", plan.group)
-        back = c.partner(_Broadcast, grad, plan)
-        return (back if ctx.needs_input_grad[0] else None), None
+    def adjoint(plan: _Plan) -> Adjoint:
+        return _Broadcast, plan
 
 
 def broadcast(
@@ -102,13 +85,10 @@ def broadcast(
     Communication: forward 1 broadcast of x; backward 1 reduce (none when replicated). No
     metadata once the first calls on the group are checked.
     """
-    g = resolve(group, "broadcast")
-    desc = f"broadcast(src={src})"
-    problem = c.rank_problem("src", src, g.size) or c.objective_problem(objective)
-    g, _ = BROADCAST.check(g, desc, x, {"src": src, "objective": objective}, problem=problem)
+    g = BROADCAST.bind(group, x, src=src, objective=objective).group
     if g.size == 1:
         return x.clone()
-    return c.apply(_Broadcast, x, _Plan(g, src, objective))
+    return apply(_Broadcast, x, _Plan(g, src, objective=objective))
 
 
 def reduce(
@@ -136,22 +116,17 @@ def reduce(
     backward 1 broadcast (sum, avg) or 1 scatter plus 1 all_to_all (prod, max, min). No metadata
     once the first calls on the group are checked.
     """
-    g = resolve(group, "reduce")
-    name = c.op_name(op)
-    desc = f"reduce(dst={dst}, op={op!r})"
-    problem = c.rank_problem("dst", dst, g.size) or c.op_problem(name)
-    problem = problem or c.reduce_dtype_problem(name, x)
-    g, _ = REDUCE.check(g, desc, x, {"dst": dst, "op": name}, problem=problem)
-    if g.size == 1:
+    call = REDUCE.bind(group, x, dst=dst, op=op)
+    if call.group.size == 1:
         return x.clone()
-    return _apply_reduce(x, g, dst, name)
+    return _apply_reduce(x, call.group, dst, call["op"])
 
 
 def _apply_reduce(x: Tensor, group: Group, dst: int, op: str) -> Tensor:
     if op == "avg":
         return _apply_reduce(x, group, dst, "sum") / group.size
     if op == "sum":
-        return c.apply(_ReduceSum, x, _Plan(group, dst))
+        return apply(_ReduceSum, x, _Plan(group, dst))
     flat = x.reshape(-1)
     sizes = tuple(c.near_even(flat.numel(), group.size))
     part = apply_reduce_scatter(flat, group, sizes, 0, op)

@@ -7,31 +7,30 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
-from torch.autograd.function import FunctionCtx
 
 from distgrad import _comm, _ops
-from distgrad._group import Group, ProcessGroup, resolve
+from distgrad._group import Group, ProcessGroup
 from distgrad._meta import RankCall
 from distgrad.collectives import _common as c
-from distgrad.collectives._debug import check_backward_order
+from distgrad.collectives._differentiable import Adjoint, Collective, Plan, apply
+from distgrad.collectives._fields import Dim, Rank, Sizes
 from distgrad.collectives._signature import Signature, sizes_along
 from distgrad.errors import CollectiveMismatchError
 
 __all__ = ["apply_gather", "gather", "scatter"]
 
 GATHER = Signature(
-    "gather", fields=("dst", "dim"), lists=("sizes",), same_lists=("sizes",), shapes="except_dim"
+    "gather", fields=(Rank("dst"), Dim()), lists=(Sizes(rule="own"),), shapes="except_dim"
 )
 # Only the source and the receivers that pass a tensor like their part have a tensor; their
 # shapes agree outside dim. The receivers' sizes are checked against the source's below.
 SCATTER = Signature(
     "scatter",
-    fields=("src", "dim"),
-    lists=("sizes",),
+    fields=(Rank("src"), Dim()),
+    lists=(Sizes(rule="parts", same=False, root="src"),),
     shapes="except_dim",
     tensor_on="some",
     known_by="sizes= on every rank (and a tensor like its part on the receivers)",
@@ -40,8 +39,7 @@ SCATTER = Signature(
 
 
 @dataclass(frozen=True)
-class _Plan:
-    group: Group
+class _Plan(Plan):
     sizes: tuple[int, ...]
     dim: int
     root: int
@@ -50,7 +48,9 @@ class _Plan:
     device: torch.device
 
 
-class _Gather(torch.autograd.Function):
+class _Gather(Collective):
+    name = "gather"
+
     @staticmethod
     def run(x: Tensor, plan: _Plan) -> Tensor:
         moved = c.as_bytes(c.to_front(x, plan.dim))
@@ -58,23 +58,17 @@ class _Gather(torch.autograd.Function):
         return c.output(c.from_front(out, plan.dim))  # not the destination: 0 rows along dim
 
     @staticmethod
-    def forward(ctx: FunctionCtx, x: Tensor, plan: _Plan) -> Tensor:
-        ctx.plan = plan  # type: ignore[attr-defined]
-        return _Gather.run(x, plan)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None]:
-        plan: _Plan = ctx.plan
-        check_backward_order("gather", plan.group)
+    def adjoint(plan: _Plan) -> Adjoint:
         # Other ranks' (empty) gradient is not read by the scatter, but passing it keeps their
         # result connected to it, so a double backward takes every rank through the gather.
-        back = c.partner(_Scatter, grad, plan, None)
-        return (back if ctx.needs_input_grad[0] else None), None
+        return _Scatter, plan
 
 
-class _Scatter(torch.autograd.Function):
+class _Scatter(Collective):
+    name = "scatter"
+
     @staticmethod
-    def run(x: Tensor | None, plan: _Plan, anchor: Tensor | None) -> Tensor:
+    def run(x: Tensor | None, plan: _Plan) -> Tensor:
         moved = c.as_bytes(c.to_front(x, plan.dim)) if x is not None else None
         trailing = c.byte_shape(plan.trailing, plan.dtype)
         dtype = torch.uint8 if trailing != plan.trailing else plan.dtype
@@ -82,23 +76,10 @@ class _Scatter(torch.autograd.Function):
         return c.output(c.from_front(c.from_bytes(out, plan.dtype), plan.dim))
 
     @staticmethod
-    def forward(ctx: FunctionCtx, x: Tensor | None, plan: _Plan, anchor: Tensor | None) -> Tensor:
-        ctx.plan = plan  # type: ignore[attr-defined]
-        ctx.anchor_like = anchor.detach() if anchor is not None else None  # type: ignore[attr-defined]
-        return _Scatter.run(x, plan, anchor)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None]:
-        plan: _Plan = ctx.plan
-        check_backward_order("scatter", plan.group)
-        full = c.partner(_Gather, grad, plan)
-        is_root = plan.group.rank == plan.root
-        # A receiver's x (the anchor) only describes its part; its values reach no output, so
-        # its gradient is zeros, and torch.autograd.grad may ask for it like any input.
-        anchor = (
-            ctx.anchor_like.new_zeros(ctx.anchor_like.shape) if ctx.needs_input_grad[2] else None
-        )
-        return (full if is_root and ctx.needs_input_grad[0] else None), None, anchor
+    def adjoint(plan: _Plan) -> Adjoint:
+        # A receiver's x is None or its anchor (which only describes its part): the gathered
+        # gradient reaches the source's x alone.
+        return _Gather, plan
 
 
 def apply_gather(x: Tensor, group: Group, sizes: tuple[int, ...], dim: int, dst: int) -> Tensor:
@@ -106,7 +87,7 @@ def apply_gather(x: Tensor, group: Group, sizes: tuple[int, ...], dim: int, dst:
     if group.size == 1:
         return x.clone()
     trailing = tuple(s for i, s in enumerate(x.shape) if i != dim)
-    return c.apply(_Gather, x, _Plan(group, sizes, dim, dst, trailing, x.dtype, x.device))
+    return apply(_Gather, x, _Plan(group, sizes, dim, dst, trailing, x.dtype, x.device))
 
 
 def gather(
@@ -135,26 +116,10 @@ def gather(
     Communication: forward 1 gather of x (padded to the largest rank's size when sizes differ),
     plus the size exchange when ``sizes`` is not given; backward 1 scatter.
     """
-    g = resolve(group, "gather")
-    desc = f"gather(dst={dst}, dim={dim})"
-    dim, problem = c.normalize_dim(dim, c.ndim_of(x))
-    problem = problem or c.rank_problem("dst", dst, g.size)
-    if problem is None and sizes is not None:
-        problem = c.sizes_problem("sizes", sizes, g.size)
-        if problem is None and sizes[g.rank] != c.extent(x, dim):
-            problem = f"sizes[{g.rank}] is {sizes[g.rank]}, but x has {c.extent(x, dim)} along dim"
-    g, calls = GATHER.check(
-        g,
-        desc,
-        x,
-        {"dst": dst, "dim": dim},
-        {"sizes": sizes},
-        problem,
-        dim=dim,
-        sizes_known=sizes is not None,
-    )
-    plan_sizes = sizes_along(desc, g, calls, sizes, dim, c.extent(x, dim))
-    return apply_gather(x, g, plan_sizes, dim, dst)
+    call = GATHER.bind(group, x, dst=dst, dim=dim, sizes=sizes)
+    dim = call["dim"]
+    plan_sizes = sizes_along(call, call["sizes"], c.extent(x, dim))
+    return apply_gather(x, call.group, plan_sizes, dim, dst)
 
 
 def scatter(
@@ -187,59 +152,22 @@ def scatter(
     Communication: forward 1 scatter, plus the exchange when ``sizes`` is not given; backward 1
     gather.
     """
-    g = resolve(group, "scatter")
-    desc = f"scatter(src={src}, dim={dim})"
-    problem = c.rank_problem("src", src, g.size)
-    is_src = problem is None and g.rank == src
-    moved_dim, dim_problem = c.normalize_dim(dim, c.ndim_of(x)) if x is not None else (0, None)
-    problem = problem or dim_problem
-    mine: tuple[int, ...] | None = None
-    if problem is None and is_src:
-        if x is None:
-            problem = "the source rank must pass the tensor to scatter, got None"
-        else:
-            mine, problem = c.split_sizes("sizes", sizes, c.extent(x, moved_dim), g.size)
-    elif problem is None and sizes is not None:
-        problem = c.sizes_problem("sizes", sizes, g.size) or _part_problem(x, sizes, g, moved_dim)
-        mine = tuple(sizes)
-    g, calls = SCATTER.check(
-        g,
-        desc,
-        x,
-        {"src": src, "dim": dim},
-        {"sizes": mine},
-        problem,
-        dim=moved_dim,
-        sizes_known=sizes is not None,
-    )
+    call = SCATTER.bind(group, x, src=src, dim=dim, sizes=sizes)
+    g, moved_dim, mine = call.group, call["dim"], call["sizes"]
     if g.size == 1:
         assert isinstance(x, Tensor)
         return x.clone()
-    if calls is not None:
-        return _scatter_as_the_source_says(x, g, src, dim, calls, desc)
+    if call.calls is not None:
+        return _scatter_as_the_source_says(x, g, src, dim, call.calls, call.desc)
+    is_src = g.rank == src
     assert mine is not None and isinstance(x, Tensor)
     trailing = tuple(s for i, s in enumerate(x.shape) if i != moved_dim)
     plan = _Plan(g, mine, moved_dim, src, trailing, x.dtype, x.device)
     if is_src:
-        return c.apply(_Scatter, x, plan, None)
+        return apply(_Scatter, x, plan)
     # A receiver's x only describes its part, and requires grad when the source's does: as the
     # anchor it makes autograd record the op here (its own gradient stays None).
-    return c.apply(_Scatter, None, plan, x if x.requires_grad else None)
-
-
-def _part_problem(x: object, sizes: Sequence[int], g: Group, dim: int) -> str | None:
-    if not isinstance(x, Tensor):
-        return (
-            "a receiving rank that passes sizes must pass x, a tensor shaped like the part it "
-            "receives (its dtype and trailing dims), as torch.distributed.scatter's output "
-            "tensor; or pass neither"
-        )
-    if x.shape[dim] != sizes[g.rank]:
-        return (
-            f"x, the tensor shaped like this rank's part, has {x.shape[dim]} entries along dim "
-            f"{dim}, but sizes[{g.rank}] is {sizes[g.rank]}"
-        )
-    return None
+    return apply(_Scatter, None, plan, x if x.requires_grad else None)
 
 
 def _scatter_as_the_source_says(
@@ -265,6 +193,6 @@ def _scatter_as_the_source_says(
     if not is_src and isinstance(x, Tensor) and x.requires_grad:
         # A receiver's x shaped like its part is its anchor, as in unchecked calls, so that
         # torch.autograd.grad can ask for it (and so run this rank's half of the backward).
-        return c.apply(_Scatter, None, plan, x)
+        return apply(_Scatter, None, plan, x)
     required = source.requires_grad and source.grad_mode
-    return c.apply(_Scatter, mine, plan, c.anchor(mine, required, device))
+    return apply(_Scatter, mine, plan, c.anchor(mine, required, device))

@@ -4,34 +4,27 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
-import torch
 from torch import Tensor
-from torch.autograd.function import FunctionCtx
 
 from distgrad import _ops
-from distgrad._group import Group, ProcessGroup, resolve
+from distgrad._group import Group, ProcessGroup
 from distgrad._meta import show
 from distgrad.collectives import _common as c
-from distgrad.collectives._debug import check_backward_order
+from distgrad.collectives._differentiable import Adjoint, Collective, Plan, apply
+from distgrad.collectives._fields import Perm, Shape
 from distgrad.collectives._signature import Signature, assume_alike
 from distgrad.errors import CollectiveMismatchError
 
 __all__ = ["permute"]
 
 SIGNATURE = Signature(
-    "permute",
-    lists=("perm", "recv_shape"),
-    same_lists=("perm",),
-    shapes="free",
-    known_by="recv_shape",
+    "permute", lists=(Perm(), Shape("recv_shape")), shapes="free", known_by="recv_shape"
 )
 
 
 @dataclass(frozen=True)
-class _Plan:
-    group: Group
+class _Plan(Plan):
     perm: tuple[int, ...]
     recv_shape: tuple[int, ...]  # the shape this rank receives
     send_shape: tuple[int, ...]  # the shape this rank sends
@@ -43,7 +36,9 @@ class _Plan:
         return _Plan(self.group, tuple(inverse), self.send_shape, self.recv_shape)
 
 
-class _Permute(torch.autograd.Function):
+class _Permute(Collective):
+    name = "permute"
+
     @staticmethod
     def run(x: Tensor, plan: _Plan) -> Tensor:
         recv_shape = c.byte_shape(plan.recv_shape, x.dtype)
@@ -51,16 +46,8 @@ class _Permute(torch.autograd.Function):
         return c.output(c.from_bytes(out, x.dtype))
 
     @staticmethod
-    def forward(ctx: FunctionCtx, x: Tensor, plan: _Plan) -> Tensor:
-        ctx.plan = plan  # type: ignore[attr-defined]
-        return _Permute.run(x, plan)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None]:
-        plan: _Plan = ctx.plan
-        check_backward_order("permute", plan.group)
-        back = c.partner(_Permute, grad, plan.inverse())
-        return (back if ctx.needs_input_grad[0] else None), None
+    def adjoint(plan: _Plan) -> Adjoint:
+        return _Permute, plan.inverse()
 
 
 def permute(
@@ -88,32 +75,22 @@ def permute(
     Communication: forward 1 send and 1 receive of x per rank, plus the shape exchange when
     ``recv_shape`` is not given; backward the same with the inverse permutation.
     """
-    g = resolve(group, "permute")
-    perm = tuple(perm)
-    desc = "permute"
-    problem = None
-    if sorted(perm) != list(range(g.size)) or not all(isinstance(p, int) for p in perm):
-        problem = f"perm must be a permutation of the group ranks 0..{g.size - 1}, got {list(perm)}"
-    wanted = tuple(recv_shape) if recv_shape is not None else None
-    g, calls = SIGNATURE.check(
-        g,
-        desc,
-        x,
-        lists={"perm": perm, "recv_shape": wanted},
-        problem=problem,
-        sizes_known=wanted is not None,
-    )
+    call = SIGNATURE.bind(group, x, perm=perm, recv_shape=recv_shape)
+    g, desc, calls = call.group, call.desc, call.calls
+    order: tuple[int, ...] = call["perm"]
+    wanted: tuple[int, ...] | None = call["recv_shape"]
     if g.size == 1:
         return x.clone()
-    source = perm.index(g.rank)
     if calls is not None:
-        for call in calls:
-            _check_recv_shape(desc, g, call.rank, call.lists[1], calls[perm.index(call.rank)].shape)
-        wanted = calls[source].shape
+        for peer in calls:
+            _check_recv_shape(
+                desc, g, peer.rank, peer.lists[1], calls[order.index(peer.rank)].shape
+            )
+        wanted = calls[order.index(g.rank)].shape
     elif wanted is None:  # inside torch.compile: every rank's shape taken to be this rank's
         assume_alike(desc, g, list(x.shape), "recv_shape=")
         wanted = tuple(x.shape)
-    return c.apply(_Permute, x, _Plan(g, perm, wanted, tuple(x.shape)))
+    return apply(_Permute, x, _Plan(g, order, wanted, tuple(x.shape)))
 
 
 def _check_recv_shape(
