@@ -19,7 +19,7 @@ from torch import Tensor
 
 import distgrad as dg
 from distgrad._group import resolve
-from distgrad.losses._ring import ring_clip, ring_reduce
+from distgrad.losses._blockwise import ring_clip, ring_reduce
 from distgrad.testing import check_against_single_process, run_on_ranks
 from tests._support import FLOAT64, seeded
 from tests.losses import cases

@@ -18,7 +18,7 @@ Precision: the loss computes in float32 at least, with autocast off, whatever th
 dtype (``_unit`` says why); the gradients flow back in the inputs' dtype.
 
 ``block_size``: None (default) takes the dense path above. An int takes the memory-efficient
-path (``_ring``): the keys go round the ring of ranks instead of being gathered, and no rank
+path (``_blockwise``): the keys go round the ring of ranks instead of being gathered, and no rank
 ever holds more than ``[anchors, block_size]`` logits, forward or backward (the backward
 recomputes them). Same value and gradients; the dense path is faster for small batches.
 Communication of the ring path: forward W-1 point-to-point shifts of [max B_l, D] per
@@ -40,9 +40,9 @@ from torch import Tensor
 from distgrad._group import Group, ProcessGroup, resolve
 from distgrad.collectives._signature import checks_this_call
 from distgrad.collectives.all_gather import apply_all_gather
+from distgrad.losses._blockwise import ring_clip, ring_reduce
 from distgrad.losses._compat import renamed
 from distgrad.losses._global import batch_sizes, global_mean
-from distgrad.losses._ring import ring_clip, ring_reduce
 
 __all__ = ["clip_loss", "info_nce", "nt_xent", "siglip_loss"]
 
@@ -279,7 +279,7 @@ def siglip_loss(
         return global_mean(-F.logsigmoid(signs * logits).sum(), total, g)
 
 
-# The memory-efficient paths: the same losses through distgrad.losses._ring, which never holds
+# The memory-efficient paths: the same losses through distgrad.losses._blockwise, which never holds
 # more than [anchors, block_size] logits. Each returns the same value and gradients as the
 # dense path (tests/losses/test_blockwise.py).
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from distgrad.parallel._batchnorm import SyncBatchNorm, sync_batch_norm
 from distgrad.parallel._moe import Routing, combine, dispatch, route
-from distgrad.parallel._ring import ring_attention
+from distgrad.parallel._ring_attention import ring_attention
 from distgrad.parallel._tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
