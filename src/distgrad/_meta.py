@@ -113,13 +113,14 @@ def _find_dtype_problem(dtype: torch.dtype) -> str | None:
     name = str(dtype)
     if name in _SUB_BYTE:
         return (
-            f"{name} cannot be sent: torch has no kernel that copies sub-byte integer tensors; "
-            "pack the values into torch.uint8 and send that"
+            f"x must have a dtype a collective can send, got {name}: torch has no kernel that "
+            "copies sub-byte integer tensors; pack the values into torch.uint8 and send that"
         )
     if name.startswith(("torch.qint", "torch.quint")):
         return (
-            f"{name} cannot be sent: a quantized tensor's scale and zero point do not travel "
-            "with its bytes; send x.int_repr() (and the quantization parameters) or x.dequantize()"
+            f"x must have a dtype a collective can send, got {name}: a quantized tensor's scale "
+            "and zero point do not travel with its bytes; send x.int_repr() (and the "
+            "quantization parameters) or x.dequantize()"
         )
     return None
 
@@ -318,13 +319,14 @@ def exchange(
     assert len(args) <= _MAX_ARGS and len(lists) <= _LISTS, f"{op}: too much metadata"
     if problem is None and x is not None and x.dim() > _MAX_DIMS:
         problem = (
-            f"tensors of at most {_MAX_DIMS} dims are supported, got {x.dim()} (the checked "
-            "calls carry every shape whole; flatten some dims around the call, e.g. "
-            "x.flatten(1, 2), and view the result back)"
+            f"x must have at most {_MAX_DIMS} dims, got {x.dim()} (the checked calls carry "
+            "every shape whole; flatten some dims around the call, e.g. x.flatten(1, 2), and "
+            "view the result back)"
         )
     longest = _list_width(group.size) - 1
     if problem is None and any(v is not None and len(v) > longest for v in lists):
-        problem = f"lists of at most {longest} entries are supported"
+        most = max(len(v) for v in lists if v is not None)
+        problem = f"every list argument must have at most {longest} entries, got {most}"
     if problem is not None:
         x, args, lists = None, (), ()
     site = _stack_site() if _debug else 0
