@@ -462,3 +462,18 @@ def test_debug_mode_detects_backward_collectives_reached_in_different_orders() -
         assert "rank 0: the backward of its distgrad call" in message
     unchecked = run_on_ranks(_backward_in_different_orders, 2, args=(False,), timeout=30)
     assert unchecked[0][0] == "wrong"
+
+
+def _too_many_dims(rank: int, n: int) -> tuple[tuple[str, str], list[float]]:
+    """A 13-dim tensor in a checked call (the handshake carries every shape whole, 12 dims at
+    most), then a matching call that shows the group is still usable."""
+    refused = outcome(dg.all_reduce, torch.ones([1] * 13))
+    return refused, dg.all_reduce(torch.ones(2)).tolist()
+
+
+def test_a_tensor_of_more_than_twelve_dims_is_refused_in_a_checked_call_on_every_rank() -> None:
+    for rank, (refused, after) in enumerate(run_on_ranks(_too_many_dims, 2, timeout=60)):
+        kind, message = refused
+        assert kind == "CollectiveArgumentError", (rank, refused)
+        assert "x must have at most 12 dims, got 13" in message, message
+        assert after == [2.0, 2.0]
