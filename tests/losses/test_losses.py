@@ -82,6 +82,11 @@ def _bad_inputs(rank: int, world_size: int) -> list[str]:
         lambda: dg.losses.clip_loss(torch.ones(3, 4), torch.ones(3 if rank == 0 else 2, 4)),
         lambda: dg.losses.siglip_loss(torch.ones(3, 4 + rank), torch.ones(3, 4 + rank)),
         lambda: dg.losses.barlow_twins(torch.ones(3, 4), torch.ones(3, 5)),
+        # rank 1 says it has 4 rows but holds 3; rank 0 passes a list of the wrong length
+        lambda: dg.losses.info_nce(torch.ones(3, 4), torch.ones(3, 4), sizes=[3, 4]),
+        lambda: dg.losses.nt_xent(
+            torch.ones(3, 4), torch.ones(3, 4), sizes=[3] if rank == 0 else [3, 3]
+        ),
     ]
     for call in calls:
         try:
@@ -101,3 +106,5 @@ def test_bad_input_raises_a_clear_error_on_every_rank() -> None:
         assert "rank 1: image and text must have the same shape" in seen[2]
         assert "ranks disagree on the shape outside dim 0" in seen[3]
         assert "view1 and view2 must have the same shape" in seen[4]
+        assert "rank 1: sizes[1] must be 3, the rows of this rank's batch, got 4" in seen[5]
+        assert "rank 0: sizes must be 2 non-negative ints (one per rank), got [3]" in seen[6]

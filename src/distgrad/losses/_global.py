@@ -46,7 +46,10 @@ def batch_sizes(
         if len(sizes) != group.size or any(not isinstance(s, int) or s < 0 for s in sizes):
             problem = f"sizes must be {group.size} non-negative ints (one per rank), got {sizes}"
         elif sizes[group.rank] != len(x):
-            problem = f"sizes[{group.rank}] is {sizes[group.rank]}, but this rank has {len(x)} rows"
+            problem = (
+                f"sizes[{group.rank}] must be {len(x)}, the rows of this rank's batch, "
+                f"got {sizes[group.rank]}"
+            )
     g, calls = _SIGNATURES[name].check(
         group, name, x, lists={"sizes": sizes}, problem=problem, sizes_known=sizes is not None
     )
