@@ -403,13 +403,9 @@ def all_gather(x: Tensor, sizes: Sequence[int], group: Group) -> Tensor:
     # Guarded (distgrad._guard): each rank's rows travel as bytes followed by its 8-byte tag,
     # gathered as byte pieces of sizes[i] * row + 8, and compacted after the tags are read.
     tag = _guard.byte_tag(group, "all_gather", x.dtype, x.shape[1:], f"sizes={list(sizes)}")
-    row = _nbytes(x[:1]) if x.shape[0] else math.prod(x.shape[1:]) * x.element_size()
-    mine = torch.cat([_bytes(x), _guard.tag_tensor(tag, torch.uint8, x.device)])
-    pieces = [s * row + _guard.BYTES for s in sizes]
-    blocks = torch.split(_all_gather(mine, pieces, group), pieces)
-    _guard.check(torch.stack([b[-_guard.BYTES :] for b in blocks]), tag, group)
-    data = torch.cat([b[: -_guard.BYTES] for b in blocks])
-    return data.view(x.dtype).view(sum(sizes), *x.shape[1:])
+    pieces = [s * _row_bytes(x) + _guard.BYTES for s in sizes]
+    received = _all_gather(_tagged([x], tag), pieces, group)
+    return _untagged(received, pieces, tag, group, x, sum(sizes))
 
 
 def _bytes(x: Tensor) -> Tensor:
@@ -654,7 +650,7 @@ def reduce(x: Tensor, dst: int, group: Group) -> Tensor | None:
     """The sum of ``x`` over ranks on group rank ``dst``; None on the other ranks."""
     if group.pg is None:
         return x.clone(memory_format=torch.contiguous_format)
-    tag = None if x.is_complex() else _guard.reduced_tag(group, "reduce", x, "sum", f", dst={dst}")
+    tag = _guard.reduced_tag(group, "reduce", x, "sum", f", dst={dst}")  # None for complex
     out, tail = _with_tail(x, tag)
     if group.is_nccl:
         _run(
