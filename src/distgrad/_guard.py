@@ -35,6 +35,7 @@ import os
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
@@ -57,6 +58,8 @@ __all__ = [
 
 BYTES = 8
 """The length of a byte tag."""
+
+_V = TypeVar("_V")
 
 # Sums are exact in these dtypes for the digits' squares (and counts) of any realistic group;
 # bfloat16 and float16 are not (8 and 11 bits of mantissa), nor are the unsigned types that
@@ -135,6 +138,17 @@ def _count(group: Group) -> int:
 # once (measured in one process: 4-10 us per call to make them, 0.3 us to look them up).
 _made: dict[tuple[object, ...], tuple[str, tuple[int, ...], str]] = {}
 
+# Both caches start over past this many entries: a program whose shapes keep changing (a
+# dynamic batch) must not grow them without end.
+_CACHED = 4096
+
+
+def _keep(cache: dict[Any, _V], key: Any, value: _V) -> _V:
+    if len(cache) >= _CACHED:
+        cache.clear()
+    cache[key] = value
+    return value
+
 
 def _sum_values(h: int) -> tuple[int, ...]:
     digits = [((h >> (4 * j)) & 0xF) + 1 for j in range(_DIGITS)]
@@ -165,7 +179,7 @@ def reduced_tag(group: Group, kind: str, x: Tensor, op: str, args: str = "") -> 
         h = zlib.crc32(what.encode())
         combine = "sum" if op == "sum" else "ordered"
         values = _sum_values(h) if op == "sum" else _ordered_values(h)
-        made = _made[key] = (what, values, combine)
+        made = _keep(_made, key, (what, values, combine))
     raise_pending(group)
     return Tag(made[1], made[0], _count(group), made[2])
 
@@ -187,7 +201,7 @@ def byte_tag(
         call = f"{kind}({args})" if args else kind
         what = f"{call} of {str(dtype).removeprefix('torch.')} {tuple(shape)}"
         h = zlib.crc32(what.encode())
-        made = _made[key] = (what, _byte_values(h, what), "bytes")
+        made = _keep(_made, key, (what, _byte_values(h, what), "bytes"))
     if not counted:
         return Tag(made[1], made[0], _exchanges.get((id(group.pg), group.name), 1) - 1, made[2])
     raise_pending(group)
@@ -203,12 +217,10 @@ def _tensor(values: tuple[int, ...], dtype: torch.dtype, device: torch.device) -
     key = (values, dtype, device)
     found = _tensors.get(key)
     if found is None:
-        if len(_tensors) > 4096:  # a program making ever new shapes: start over
-            _tensors.clear()
         host = torch.tensor(values, dtype=dtype)
         if device.type != "cpu":
             host = host.pin_memory().to(device, non_blocking=True)
-        found = _tensors[key] = host
+        found = _keep(_tensors, key, host)
     return found
 
 
