@@ -190,6 +190,27 @@ def _failure(exc: BaseException | str, setup: Setup) -> str:
     return f"FAIL: {first[:200]}"
 
 
+def _on_ranks(
+    section: Section,
+    setup: Setup,
+    failed: tuple[str, ...],
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    timeout: float,
+    collective_timeout: float,
+) -> list[Any] | None:
+    """Every rank's ``fn(rank, n, *args)`` on ``setup``; or None, with a row saying how the
+    ranks failed (``failed``: that row's cells between the setup and the result) added."""
+    try:
+        return run_on_ranks(
+            fn, setup.world_size, args=args, backend=setup.backend, timeout=timeout,
+            collective_timeout=collective_timeout,
+        )  # fmt: skip
+    except RankFailedError as exc:
+        section.rows.append((setup.label, *failed, _failure(exc, setup)))
+        return None
+
+
 # ---------------------------------------------------------------------------------------------
 # Part 1: the gradient sweep of every op
 
@@ -238,13 +259,16 @@ def part_gradients(device: str, gpus: int) -> Section:
                 + replicated_cases(setup.world_size)
                 if c.op == op
             )
-            try:
-                per_rank = run_on_ranks(
-                    _sweep, setup.world_size, args=(setup.device, op), backend=setup.backend,
-                    timeout=120, collective_timeout=30,
-                )  # fmt: skip
-            except RankFailedError as exc:
-                section.rows.append((setup.label, op, "-", f"-/{count}", _failure(exc, setup)))
+            per_rank = _on_ranks(
+                section,
+                setup,
+                (op, "-", f"-/{count}"),
+                _sweep,
+                (setup.device, op),
+                timeout=120,
+                collective_timeout=30,
+            )
+            if per_rank is None:
                 continue
             for i, (dtype, _, _) in enumerate(per_rank[0]):
                 worst = min(r[i][1] if i < len(r) else 0 for r in per_rank)
@@ -405,13 +429,16 @@ def part_losses(device: str, gpus: int) -> Section:
         ("setup", "loss", "path", "precision", "result"),
     )
     for setup in setups(device, gpus):
-        try:
-            per_rank = run_on_ranks(
-                _losses_on_rank, setup.world_size, args=(setup.device,), backend=setup.backend,
-                timeout=180, collective_timeout=60,
-            )  # fmt: skip
-        except RankFailedError as exc:
-            section.rows.append((setup.label, "every loss", "-", "-", _failure(exc, setup)))
+        per_rank = _on_ranks(
+            section,
+            setup,
+            ("every loss", "-", "-"),
+            _losses_on_rank,
+            (setup.device,),
+            timeout=180,
+            collective_timeout=60,
+        )
+        if per_rank is None:
             continue
         i = 0
         for name, block in LOSSES:
@@ -591,13 +618,16 @@ def part_sync(device: str, gpus: int) -> Section:
         ("setup", "call", "result"),
     )
     for setup in setups(device, gpus):
-        try:
-            per_rank = run_on_ranks(
-                _watched, setup.world_size, args=(setup.device,), backend=setup.backend,
-                timeout=120, collective_timeout=30,
-            )  # fmt: skip
-        except RankFailedError as exc:
-            section.rows.append((setup.label, "every call", _failure(exc, setup)))
+        per_rank = _on_ranks(
+            section,
+            setup,
+            ("every call",),
+            _watched,
+            (setup.device,),
+            timeout=120,
+            collective_timeout=30,
+        )
+        if per_rank is None:
             continue
         staged = setup.backend == "gloo"  # CUDA tensors cross gloo through host memory
         for i, (name, _) in enumerate(per_rank[0]):
@@ -673,13 +703,16 @@ def part_compile(device: str, gpus: int) -> Section:
         ("setup", "backend", "graphs", "breaks", "result"),
     )
     setup = setups(device, gpus)[0]
-    try:
-        per_rank = run_on_ranks(
-            _compiled, setup.world_size, args=(setup.device, backend), backend=setup.backend,
-            timeout=400, collective_timeout=120,
-        )  # fmt: skip
-    except RankFailedError as exc:
-        section.rows.append((setup.label, backend, "-", "-", _failure(exc, setup)))
+    per_rank = _on_ranks(
+        section,
+        setup,
+        (backend, "-", "-"),
+        _compiled,
+        (setup.device, backend),
+        timeout=400,
+        collective_timeout=120,
+    )
+    if per_rank is None:
         return section
     graphs, breaks, reasons, _ = per_rank[0]
     if (graphs, breaks) != (1, 0):
@@ -788,8 +821,9 @@ def _guard_rows(rank: int, n: int, device: str) -> list[tuple[str, str]]:
 def part_guard(device: str, gpus: int) -> Section:
     section = Section(
         "guard",
-        'The data guard (docs/semantics.md, "The data guard"): guarded all_reduce (sum, max, '
-        "min), reduce, broadcast and all_gather exchanges of distgrad._comm under "
+        'The data guard (docs/semantics.md, "The data guard"): guarded exchanges of every '
+        "kind (distgrad._comm's all_reduce sum/max/min, reduce, broadcast, all_gather, "
+        "all_to_all, gather, scatter, permute) under "
         '`torch.cuda.set_sync_debug_mode("error")`, with no false alarm; then a mismatched tag: '
         "on CUDA it must be queued without a host synchronisation and raised as the next "
         "guarded call on the group begins, on CPU at once. The first setup only (on one GPU, "
@@ -797,13 +831,16 @@ def part_guard(device: str, gpus: int) -> Section:
         ("setup", "check", "result"),
     )
     setup = setups(device, gpus)[0]
-    try:
-        per_rank = run_on_ranks(
-            _guard_rows, setup.world_size, args=(setup.device,), backend=setup.backend,
-            timeout=120, collective_timeout=30,
-        )  # fmt: skip
-    except RankFailedError as exc:
-        section.rows.append((setup.label, "every check", _failure(exc, setup)))
+    per_rank = _on_ranks(
+        section,
+        setup,
+        ("every check",),
+        _guard_rows,
+        (setup.device,),
+        timeout=120,
+        collective_timeout=30,
+    )
+    if per_rank is None:
         return section
     for name, result in per_rank[0]:
         section.rows.append((setup.label, name, result))
@@ -820,13 +857,16 @@ def part_memory(device: str, gpus: int) -> Section:
         ("setup", "global batch", "path", "peak MiB per rank"),
     )
     setup = setups(device, gpus)[0]
-    try:
-        per_rank = run_on_ranks(
-            _peak, setup.world_size, args=(setup.device, batches, dim), backend=setup.backend,
-            timeout=300, collective_timeout=120,
-        )  # fmt: skip
-    except RankFailedError as exc:
-        section.rows.append((setup.label, "-", "-", _failure(exc, setup)))
+    per_rank = _on_ranks(
+        section,
+        setup,
+        ("-", "-"),
+        _peak,
+        (setup.device, batches, dim),
+        timeout=300,
+        collective_timeout=120,
+    )
+    if per_rank is None:
         return section
     for i, (batch, path, _) in enumerate(per_rank[0]):
         peak = max(r[i][2] for r in per_rank)
@@ -1035,13 +1075,16 @@ def part_timing(device: str, gpus: int) -> Section:
         + ("" if device == "cuda" else " CPU mode: tiny sizes and 2 rounds, no meaning as speed."),
         ("setup", "op", "shape", "variant", "median ms", "ratio to c10d (IQR)"),
     )
-    try:
-        per_rank = run_on_ranks(
-            _times, setup.world_size, args=(setup.device, shapes, rounds), backend=setup.backend,
-            timeout=400, collective_timeout=120,
-        )  # fmt: skip
-    except RankFailedError as exc:
-        section.rows.append((setup.label, "every op", "-", "-", "-", _failure(exc, setup)))
+    per_rank = _on_ranks(
+        section,
+        setup,
+        ("every op", "-", "-", "-"),
+        _times,
+        (setup.device, shapes, rounds),
+        timeout=400,
+        collective_timeout=120,
+    )
+    if per_rank is None:
         return section
     for op, shape, name, ms, ratio, spread in per_rank[0]:
         section.rows.append(
