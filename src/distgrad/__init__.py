@@ -7,6 +7,7 @@ The objective every gradient refers to is the sum over ranks of what each rank b
 from __future__ import annotations
 
 from distgrad import errors, losses, parallel, rpc, testing
+from distgrad._async import AsyncTensor
 from distgrad._guard import set_guard
 from distgrad._meta import set_debug
 from distgrad.collectives import (
@@ -22,6 +23,7 @@ from distgrad.collectives import (
 )
 
 __all__ = [
+    "AsyncTensor",
     "all_gather",
     "all_reduce",
     "all_to_all",

@@ -40,8 +40,8 @@ import atexit
 import functools
 import math
 import time
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar, cast
+from collections.abc import Callable, Generator, Sequence
+from typing import Any, Generic, ParamSpec, Protocol, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -61,6 +61,8 @@ from distgrad._group import Group, collectives_unsettled, note_collective, settl
 
 __all__ = [
     "Exchange",
+    "Pending",
+    "Steps",
     "all_gather",
     "all_reduce",
     "all_to_all",
@@ -74,6 +76,9 @@ __all__ = [
     "share",
     "start_exchange",
 ]
+
+_T = TypeVar("_T")
+_P = ParamSpec("_P")
 
 _TORCH_OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -176,7 +181,20 @@ def _run(
     doing: str | None = None,
     **kwargs: Any,
 ) -> None:
-    """Start a collective on ``on`` with ``start(*args, **kwargs)`` and wait for it.
+    """Start a collective on ``on`` with ``start(*args, **kwargs)`` and wait for it."""
+    _begin(on, start, *args, what=what, doing=doing, **kwargs).wait()
+
+
+def _begin(
+    on: Group,
+    start: Callable[..., Any],
+    /,
+    *args: Any,
+    what: str | None = None,
+    doing: str | None = None,
+    **kwargs: Any,
+) -> _Started:
+    """Start a collective on ``on`` with ``start(*args, **kwargs)``; ``wait()`` the result.
 
     gloo's worker thread lets go of the tensors handed to it a moment after this thread wakes,
     and that release takes the GIL while Python also holds a tensor (torch then holds its
@@ -186,8 +204,30 @@ def _run(
     made safe where it can fail, at exit (:func:`_settle_at_exit`).
     """
     note_collective()
-    work = _start(start, *args, **kwargs)
-    _finish(work, on, what, doing)
+    return _Started(_start(start, *args, **kwargs), on, what, doing)
+
+
+class _Started:
+    """A collective in flight; :meth:`wait` finishes it (see :func:`_finish`)."""
+
+    __slots__ = ("_doing", "_group", "_what", "_work")
+
+    def __init__(self, work: Any, group: Group, what: str | None, doing: str | None) -> None:
+        self._work = work
+        self._group = group
+        self._what = what
+        self._doing = doing
+
+    def wait(self) -> None:
+        _finish(self._work, self._group, self._what, self._doing)
+
+    def describe_now(self) -> None:
+        self._what = self._what or _started_late(self._group)
+
+
+def _started_late(group: Group) -> str:
+    """What a wait after the call returned (``async_op=True``) says it waits for."""
+    return f"{_wait.activity(group)}, started with async_op=True"
 
 
 def _settle_at_exit() -> None:
@@ -245,10 +285,7 @@ def _on_host(group: Group, device: torch.device) -> bool:
     return group.pg is not None and not group.is_nccl and device.type != "cpu"
 
 
-_Exchange = TypeVar("_Exchange", bound=Callable[..., Any])
-
-
-def _staged_on_gloo(exchange: _Exchange) -> _Exchange:
+def _staged_on_gloo(exchange: _StepsOf) -> _StepsOf:
     """``exchange(x, ..., group)``, with a CUDA ``x`` on gloo copied to the host and the
     result copied back to ``x``'s device.
 
@@ -259,13 +296,99 @@ def _staged_on_gloo(exchange: _Exchange) -> _Exchange:
     """
 
     @functools.wraps(exchange)
-    def staged(x: Tensor, *args: Any) -> Any:
+    def staged(x: Tensor, *args: Any) -> Steps[Any]:
         if not _on_host(args[-1], x.device):
-            return exchange(x, *args)
-        out = exchange(x.cpu(), *args)
+            return (yield from exchange(x, *args))
+        out = yield from exchange(x.cpu(), *args)
         return None if out is None else out.to(x.device)
 
-    return cast(_Exchange, staged)
+    return cast(_StepsOf, staged)
+
+
+# ---------------------------------------------------------------------------------------------
+# Steps: every op is written once, as a generator that starts its one exchange, yields it, and
+# finishes (the copies, the guard's check) when resumed. The blocking call drives it through at
+# once; ``op.start(...)`` runs it up to the exchange and returns a :class:`Pending` that finishes
+# it later (``async_op=True``). The exchange is started on the calling thread, in call order, so
+# collectives stay in the same order on every rank whatever the caller does in between.
+
+
+class _Waitable(Protocol):
+    def wait(self) -> None: ...
+
+    def describe_now(self) -> None:
+        """Fix what errors of the wait will name: the call running now, not then."""
+
+
+Steps = Generator[_Waitable, None, _T]
+_StepsOf = TypeVar("_StepsOf", bound=Callable[..., Steps[Any]])
+
+
+class Pending(Generic[_T]):
+    """An op whose exchange is in flight: :meth:`wait` waits for it and returns the result.
+
+    Its steps run on :meth:`wait`'s thread, once; an error is raised there, and again by every
+    later ``wait``.
+    """
+
+    __slots__ = ("_error", "_steps", "_value", "_waiting")
+
+    def __init__(self, steps: Steps[_T]) -> None:
+        self._steps = steps
+        self._error: BaseException | None = None
+        self._waiting: _Waitable | None = None
+        try:
+            self._waiting = next(steps)
+            self._waiting.describe_now()
+        except StopIteration as finished:  # nothing to exchange (a group of one)
+            self._value: _T = finished.value
+
+    @property
+    def started_only(self) -> bool:
+        """Whether the exchange may still be in flight (no ``wait`` has finished it)."""
+        return self._waiting is not None
+
+    def wait(self) -> _T:
+        if self._error is not None:
+            raise self._error
+        try:
+            while self._waiting is not None:
+                waiting, self._waiting = self._waiting, None
+                waiting.wait()
+                try:
+                    self._waiting = self._steps.send(None)
+                except StopIteration as finished:
+                    self._value = finished.value
+        except BaseException as exc:
+            self._error = exc
+            raise
+        return self._value
+
+
+class _ExchangeOp(Generic[_P, _T]):
+    """An op written as steps: call it to run it through, or ``start`` it (see above)."""
+
+    def __init__(self, steps: Callable[_P, Steps[_T]]) -> None:
+        self.steps = steps
+        functools.update_wrapper(self, steps)
+
+    def __call__(self, *args: _P.args, **kwargs: _P.kwargs) -> _T:
+        steps = self.steps(*args, **kwargs)
+        try:
+            waiting = next(steps)
+            while True:
+                waiting.wait()
+                waiting = steps.send(None)
+        except StopIteration as finished:
+            value: _T = finished.value
+            return value
+
+    def start(self, *args: _P.args, **kwargs: _P.kwargs) -> Pending[_T]:
+        return Pending(self.steps(*args, **kwargs))
+
+
+def _exchange_op(steps: Callable[_P, Steps[_T]]) -> _ExchangeOp[_P, _T]:
+    return _ExchangeOp(steps)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -279,7 +402,7 @@ class Exchange:
     dies during the exchange is an error naming it within tens of milliseconds.
     """
 
-    __slots__ = ("_group", "_landings", "_largest", "_peers", "_works")
+    __slots__ = ("_group", "_landings", "_largest", "_peers", "_what", "_works")
 
     def __init__(
         self,
@@ -294,12 +417,16 @@ class Exchange:
         self._largest = largest
         self._group = group
         self._landings = landings  # (host buffer, its device target): staged receives
+        self._what: str | None = None
 
     def wait(self) -> None:
         if self._works:
-            _wait.wait_pairs(self._works, self._peers, self._group, self._largest)
+            _wait.wait_pairs(self._works, self._peers, self._group, self._largest, self._what)
         for host, target in self._landings:
             target.copy_(host)
+
+    def describe_now(self) -> None:
+        self._what = self._what or _started_late(self._group)
 
 
 def start_exchange(
@@ -375,7 +502,9 @@ def _use_gloo_collective(piece: Tensor, sizes: Sequence[int]) -> bool:
     )
 
 
-def _exchange_by_pairs(sent: Sequence[Tensor], received: Sequence[Tensor], group: Group) -> None:
+def _exchange_by_pairs(
+    sent: Sequence[Tensor], received: Sequence[Tensor], group: Group
+) -> Steps[None]:
     """Send ``sent[i]`` to group rank i and receive ``received[i]`` from it, all at once.
 
     This rank's own pair is a local copy. The same bytes as gloo's all_gather and
@@ -390,21 +519,22 @@ def _exchange_by_pairs(sent: Sequence[Tensor], received: Sequence[Tensor], group
     others = [peer for peer in range(group.size) if peer != group.rank]
     sends = [(sent[peer], peer) for peer in others if sent[peer].numel()]
     recvs = [(received[peer], peer) for peer in others if received[peer].numel()]
-    start_exchange(sends, recvs, group).wait()
+    yield start_exchange(sends, recvs, group)
 
 
+@_exchange_op
 @_staged_on_gloo
-def all_gather(x: Tensor, sizes: Sequence[int], group: Group) -> Tensor:
+def all_gather(x: Tensor, sizes: Sequence[int], group: Group) -> Steps[Tensor]:
     """Concatenate every rank's ``x`` along dim 0; ``sizes[i]`` is rank i's row count."""
     if group.pg is None:
         return x.clone()
     if not _guard.enabled():
-        return _all_gather(x, sizes, group)
+        return (yield from _all_gather(x, sizes, group))
     # Guarded (distgrad._guard): each rank's rows travel as bytes followed by its 8-byte tag,
     # gathered as byte pieces of sizes[i] * row + 8, and compacted after the tags are read.
     tag = _guard.byte_tag(group, "all_gather", x.dtype, x.shape[1:], f"sizes={list(sizes)}")
     pieces = [s * _row_bytes(x) + _guard.BYTES for s in sizes]
-    received = _all_gather(_tagged([x], tag), pieces, group)
+    received = yield from _all_gather(_tagged([x], tag), pieces, group)
     return _untagged(received, pieces, tag, group, x, sum(sizes))
 
 
@@ -437,70 +567,75 @@ def _untagged(
     return data.view(like.dtype).view(rows, *like.shape[1:])
 
 
-def _all_gather(x: Tensor, sizes: Sequence[int], group: Group) -> Tensor:
+def _all_gather(x: Tensor, sizes: Sequence[int], group: Group) -> Steps[Tensor]:
     assert group.pg is not None
     if not group.is_nccl:
         out = x.new_empty((sum(sizes), *x.shape[1:]))
         mine = x.contiguous()
         if _use_gloo_collective(mine, sizes):
-            _run(group, group.pg._allgather_base, out, mine, _ALL_GATHER_OPTIONS)
+            yield _begin(group, group.pg._allgather_base, out, mine, _ALL_GATHER_OPTIONS)
             return out
         blocks = torch.split(out, list(sizes))  # views into ``out``, each contiguous
-        _exchange_by_pairs([mine] * group.size, blocks, group)
+        yield from _exchange_by_pairs([mine] * group.size, blocks, group)
         return out
     width = max(sizes)
     send = _pad_rows(x, width)
     out = send.new_empty((width * group.size, *x.shape[1:]))
-    _run(group, _all_gather_single, out, send, group=group.pg, async_op=True)
+    yield _begin(group, _all_gather_single, out, send, group=group.pg, async_op=True)
     return _trim_cat(out, sizes)
 
 
+@_exchange_op
 @_staged_on_gloo
-def reduce_scatter(x: Tensor, sizes: Sequence[int], group: Group) -> Tensor:
+def reduce_scatter(x: Tensor, sizes: Sequence[int], group: Group) -> Steps[Tensor]:
     """Sum ``x`` over ranks and return this rank's slice (``sizes[rank]`` rows) of the sum."""
     if group.pg is None:
         return x.clone()
     mine = sizes[group.rank]
     if group.is_nccl and all(s == mine for s in sizes):
         out = x.new_empty((mine, *x.shape[1:]))
-        _run(group, _reduce_scatter_single, out, x.contiguous(), group=group.pg, async_op=True)
+        yield _begin(
+            group, _reduce_scatter_single, out, x.contiguous(), group=group.pg, async_op=True
+        )
         return out
     if not group.is_nccl and _use_gloo_collective(x[:mine], sizes):
         # An all_reduce and this rank's slice: twice the bytes, but small, and gloo's own
         # reduce-scatter cannot be waited on in ticks (a timed wait aborts it, and it then
         # never completes, not even at the group's timeout).
-        return all_reduce(x, "sum", group).narrow(0, group.rank * mine, mine).clone()
-    slices = all_to_all(x, sizes, [mine] * group.size, group)
+        summed = yield from all_reduce.steps(x, "sum", group)
+        return summed.narrow(0, group.rank * mine, mine).clone()
+    slices = yield from all_to_all.steps(x, sizes, [mine] * group.size, group)
     # Sum in rank order, the same order on every backend and run: results are reproducible.
     return slices.view(group.size, mine, *x.shape[1:]).sum(0)
 
 
+@_exchange_op
 @_staged_on_gloo
 def all_to_all(
     x: Tensor, input_sizes: Sequence[int], output_sizes: Sequence[int], group: Group
-) -> Tensor:
+) -> Steps[Tensor]:
     """Send rows ``input_sizes[i]`` of ``x`` to rank i; receive ``output_sizes[i]`` from rank i."""
     if group.pg is None:
         return x.clone()
     if not _guard.enabled():
-        return _all_to_all(x, input_sizes, output_sizes, group)
+        return (yield from _all_to_all(x, input_sizes, output_sizes, group))
     # Guarded: each chunk's bytes and a tag, exchanged as byte chunks, compacted after.
     tag = _guard.byte_tag(group, "all_to_all", x.dtype, x.shape[1:], "")
     row = _row_bytes(x)
     sent = _tagged(torch.split(x, list(input_sizes)), tag)
     out_pieces = [s * row + _guard.BYTES for s in output_sizes]
     in_pieces = [s * row + _guard.BYTES for s in input_sizes]
-    received = _all_to_all(sent, in_pieces, out_pieces, group)
+    received = yield from _all_to_all(sent, in_pieces, out_pieces, group)
     return _untagged(received, out_pieces, tag, group, x, sum(output_sizes))
 
 
 def _all_to_all(
     x: Tensor, input_sizes: Sequence[int], output_sizes: Sequence[int], group: Group
-) -> Tensor:
+) -> Steps[Tensor]:
     assert group.pg is not None
     out = x.new_empty((sum(output_sizes), *x.shape[1:]))
     if group.is_nccl:
-        _run(
+        yield _begin(
             group,
             dist.all_to_all_single,
             out,
@@ -511,7 +646,7 @@ def _all_to_all(
             async_op=True,
         )
     elif x.dtype in _GLOO_COLLECTIVE_DTYPES and _nbytes(x) < GLOO_ALL_TO_ALL_BELOW_BYTES:
-        _run(
+        yield _begin(
             group,
             group.pg.alltoall_base,
             out,
@@ -523,7 +658,7 @@ def _all_to_all(
     else:
         sent = torch.split(x.contiguous(), list(input_sizes))
         received = torch.split(out, list(output_sizes))  # views into ``out``, each contiguous
-        _exchange_by_pairs(sent, received, group)
+        yield from _exchange_by_pairs(sent, received, group)
     return out
 
 
@@ -536,15 +671,18 @@ GLOO_ALL_TO_ALL_BELOW_BYTES = 32 * 1024 * 1024
 _ALL_TO_ALL_OPTIONS = AllToAllOptions()
 
 
+@_exchange_op
 @_staged_on_gloo
-def permute(x: Tensor, perm: Sequence[int], recv_shape: Sequence[int], group: Group) -> Tensor:
+def permute(
+    x: Tensor, perm: Sequence[int], recv_shape: Sequence[int], group: Group
+) -> Steps[Tensor]:
     """Send ``x`` to group rank ``perm[rank]``; return what the rank that maps here sent."""
     if group.pg is None or perm[group.rank] == group.rank:
         return x.clone()
     source = list(perm).index(group.rank)
     if not _guard.enabled():
         out = x.new_empty(tuple(recv_shape))
-        start_exchange([(x.contiguous(), perm[group.rank])], [(out, source)], group).wait()
+        yield start_exchange([(x.contiguous(), perm[group.rank])], [(out, source)], group)
         return out
     # Guarded: the sender tags what it sends (its shape), the receiver checks against what it
     # expects (recv_shape); a receiver's tag bytes start as zeros, which no tag is.
@@ -554,7 +692,7 @@ def permute(x: Tensor, perm: Sequence[int], recv_shape: Sequence[int], group: Gr
     buf = torch.empty(n + _guard.BYTES, dtype=torch.uint8, device=x.device)
     buf[n:].zero_()
     sent = _tagged([x], sent_tag)
-    start_exchange([(sent, perm[group.rank])], [(buf, source)], group).wait()
+    yield start_exchange([(sent, perm[group.rank])], [(buf, source)], group)
     _guard.check(buf[n:], want, group)
     return buf[:n].view(x.dtype).view(tuple(recv_shape))
 
@@ -563,17 +701,18 @@ def permute(x: Tensor, perm: Sequence[int], recv_shape: Sequence[int], group: Gr
 # Collectives
 
 
+@_exchange_op
 @_staged_on_gloo
-def all_reduce(x: Tensor, op: str, group: Group) -> Tensor:
+def all_reduce(x: Tensor, op: str, group: Group) -> Steps[Tensor]:
     """Reduce ``x`` over ranks with ``op`` in sum, prod, max, min; every rank gets the result."""
     if group.pg is None:
         return x.clone(memory_format=torch.contiguous_format)
     tag = _guard.reduced_tag(group, "all_reduce", x, op)
     out, tail = _with_tail(x, tag)
     if group.is_nccl or out.is_complex():  # torch's wrapper says which ops take complex
-        _run(group, dist.all_reduce, out, op=_TORCH_OPS[op], group=group.pg, async_op=True)
+        yield _begin(group, dist.all_reduce, out, op=_TORCH_OPS[op], group=group.pg, async_op=True)
     else:
-        _run(group, group.pg.allreduce, [out], _ALL_REDUCE_OPTIONS[op])
+        yield _begin(group, group.pg.allreduce, [out], _ALL_REDUCE_OPTIONS[op])
     if tag is None:
         return out
     _guard.check(out[tail:], tag, group, group.size)
@@ -599,8 +738,9 @@ def _with_tail(x: Tensor, tag: _guard.Tag | None) -> tuple[Tensor, int]:
     return torch.cat([x.reshape(-1), _guard.tag_tensor(tag, x.dtype, x.device)]), x.numel()
 
 
+@_exchange_op
 @_staged_on_gloo
-def broadcast(x: Tensor, src: int, group: Group) -> Tensor:
+def broadcast(x: Tensor, src: int, group: Group) -> Steps[Tensor]:
     """Every rank gets group rank ``src``'s ``x`` (other ranks' values are not read)."""
     if group.pg is None:
         return x.clone()
@@ -610,7 +750,7 @@ def broadcast(x: Tensor, src: int, group: Group) -> Tensor:
             if group.rank == src
             else torch.empty_like(x, memory_format=torch.contiguous_format)
         )
-        _broadcast(out, src, group)
+        yield from _broadcast(out, src, group)
         return out
     # Guarded: the source's bytes and its tag in one buffer (the copy the source makes anyway);
     # a receiver's tag bytes start as zeros, which no tag is, so bytes not written mismatch.
@@ -622,16 +762,16 @@ def broadcast(x: Tensor, src: int, group: Group) -> Tensor:
         buf[n:].copy_(_guard.tag_tensor(tag, torch.uint8, x.device))
     else:
         buf[n:].zero_()
-    _broadcast(buf, src, group)
+    yield from _broadcast(buf, src, group)
     if group.rank != src:
         _guard.check(buf[n:], tag, group)
     return buf[:n].view(x.dtype).view(x.shape)
 
 
-def _broadcast(out: Tensor, src: int, group: Group) -> None:
+def _broadcast(out: Tensor, src: int, group: Group) -> Steps[None]:
     assert group.pg is not None
     if group.is_nccl:
-        _run(
+        yield _begin(
             group,
             dist.broadcast,
             out,
@@ -642,18 +782,19 @@ def _broadcast(out: Tensor, src: int, group: Group) -> None:
     else:
         opts = _options(BroadcastOptions, rootRank=src, rootTensor=0)
         moved = _real(out)
-        _run(group, group.pg.broadcast, [moved], opts)
+        yield _begin(group, group.pg.broadcast, [moved], opts)
 
 
+@_exchange_op
 @_staged_on_gloo
-def reduce(x: Tensor, dst: int, group: Group) -> Tensor | None:
+def reduce(x: Tensor, dst: int, group: Group) -> Steps[Tensor | None]:
     """The sum of ``x`` over ranks on group rank ``dst``; None on the other ranks."""
     if group.pg is None:
         return x.clone(memory_format=torch.contiguous_format)
     tag = _guard.reduced_tag(group, "reduce", x, "sum", f", dst={dst}")  # None for complex
     out, tail = _with_tail(x, tag)
     if group.is_nccl:
-        _run(
+        yield _begin(
             group,
             dist.reduce,
             out,
@@ -665,7 +806,7 @@ def reduce(x: Tensor, dst: int, group: Group) -> Tensor | None:
     else:
         opts = _options(ReduceOptions, rootRank=dst, rootTensor=0, reduceOp=dist.ReduceOp.SUM)
         moved = _real(out)  # a complex sum is the sum of its parts
-        _run(group, group.pg.reduce, [moved], opts)
+        yield _begin(group, group.pg.reduce, [moved], opts)
     if group.rank != dst:
         return None
     if tag is None:
@@ -674,30 +815,31 @@ def reduce(x: Tensor, dst: int, group: Group) -> Tensor | None:
     return _leading(out, x.shape)
 
 
+@_exchange_op
 @_staged_on_gloo
-def gather(x: Tensor, sizes: Sequence[int], dst: int, group: Group) -> Tensor | None:
+def gather(x: Tensor, sizes: Sequence[int], dst: int, group: Group) -> Steps[Tensor | None]:
     """Rank ``dst`` gets every rank's ``x`` concatenated along dim 0; None elsewhere."""
     if group.pg is None:
         return x.clone()
     if not _guard.enabled():
-        return _gather(x, sizes, dst, group)
+        return (yield from _gather(x, sizes, dst, group))
     # Guarded: as all_gather, to one rank.
     tag = _guard.byte_tag(group, "gather", x.dtype, x.shape[1:], f"sizes={list(sizes)}, dst={dst}")
     pieces = [s * _row_bytes(x) + _guard.BYTES for s in sizes]
-    received = _gather(_tagged([x], tag), pieces, dst, group)
+    received = yield from _gather(_tagged([x], tag), pieces, dst, group)
     if received is None:
         return None
     return _untagged(received, pieces, tag, group, x, sum(sizes))
 
 
-def _gather(x: Tensor, sizes: Sequence[int], dst: int, group: Group) -> Tensor | None:
+def _gather(x: Tensor, sizes: Sequence[int], dst: int, group: Group) -> Steps[Tensor | None]:
     assert group.pg is not None
     width = max(sizes)
     send = _pad_rows(x, width)
     out = send.new_empty((group.size * width, *x.shape[1:])) if group.rank == dst else None
     parts = list(out.chunk(group.size)) if out is not None else None
     if group.is_nccl:
-        _run(
+        yield _begin(
             group,
             dist.gather,
             send,
@@ -710,10 +852,11 @@ def _gather(x: Tensor, sizes: Sequence[int], dst: int, group: Group) -> Tensor |
         outputs = [[_real(p) for p in parts]] if parts is not None else []
         sent = _real(send)
         opts = _options(GatherOptions, rootRank=dst)
-        _run(group, group.pg.gather, outputs, [sent], opts)
+        yield _begin(group, group.pg.gather, outputs, [sent], opts)
     return _trim_cat(out, sizes) if out is not None else None
 
 
+@_exchange_op
 def scatter(
     x: Tensor | None,
     sizes: Sequence[int],
@@ -722,7 +865,7 @@ def scatter(
     dtype: torch.dtype,
     device: torch.device,
     group: Group,
-) -> Tensor:
+) -> Steps[Tensor]:
     """Rank i gets ``sizes[i]`` rows of group rank ``src``'s ``x``, split in rank order."""
     if group.pg is None:
         assert x is not None
@@ -730,9 +873,10 @@ def scatter(
     if _on_host(group, device):  # see _staged_on_gloo
         host = None if x is None else x.cpu()
         cpu = torch.device("cpu")
-        return scatter(host, sizes, src, trailing, dtype, cpu, group).to(device)
+        out = yield from scatter.steps(host, sizes, src, trailing, dtype, cpu, group)
+        return out.to(device)
     if not _guard.enabled():
-        return _scatter(x, sizes, src, trailing, dtype, device, group)
+        return (yield from _scatter(x, sizes, src, trailing, dtype, device, group))
     # Guarded: the source tags each part with what it sends (its dtype and row shape); each
     # receiver checks against what it expects (``dtype``, ``trailing``).
     args = f"sizes={list(sizes)}, src={src}"
@@ -746,7 +890,9 @@ def scatter(
     want = _guard.byte_tag(group, "scatter", dtype, trailing, args, counted=not is_src)
     pieces = [s * row + _guard.BYTES for s in sizes]
     mine = pieces[group.rank]
-    received = _scatter(tagged, pieces, src, (), torch.uint8, device, group, zero_tail=True)
+    received = yield from _scatter(
+        tagged, pieces, src, (), torch.uint8, device, group, zero_tail=True
+    )
     _guard.check(received[mine - _guard.BYTES :], want, group)
     data = received[: mine - _guard.BYTES]
     return data.view(dtype).view(sizes[group.rank], *trailing)
@@ -761,7 +907,7 @@ def _scatter(
     device: torch.device,
     group: Group,
     zero_tail: bool = False,
-) -> Tensor:
+) -> Steps[Tensor]:
     """``scatter``'s exchange; ``zero_tail``: the output's last tag bytes start as zeros."""
     assert group.pg is not None
     width = max(sizes)
@@ -773,7 +919,7 @@ def _scatter(
         assert x is not None
         chunks = [_pad_rows(part, width) for part in torch.split(x, list(sizes))]
     if group.is_nccl:
-        _run(
+        yield _begin(
             group,
             dist.scatter,
             out,
@@ -786,5 +932,5 @@ def _scatter(
         inputs = [[_real(c) for c in chunks]] if chunks is not None else []
         received = _real(out)
         opts = _options(ScatterOptions, rootRank=src)
-        _run(group, group.pg.scatter, [received], inputs, opts)
+        yield _begin(group, group.pg.scatter, [received], inputs, opts)
     return out[: sizes[group.rank]]

@@ -18,6 +18,7 @@ takes no Python objects), as in torch's functional collectives.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -25,6 +26,7 @@ import torch.distributed.distributed_c10d as c10d
 from torch import Tensor
 
 from distgrad import _comm
+from distgrad._async import deferring, resolved, started
 from distgrad._group import Group, resolve
 from distgrad._library import op
 
@@ -72,6 +74,11 @@ def _token_on(device: str) -> Tensor:
     return found
 
 
+def _meta(shape: Sequence[int], dtype: torch.dtype) -> Tensor:
+    """The metadata of an output in flight (``async_op=True``): its shape, dtype, contiguous."""
+    return torch.empty(tuple(shape), dtype=dtype, device="meta")
+
+
 def traced(group: Group) -> bool:
     """Whether to emit a custom op: while compiling, for a real group (alone is plain torch)."""
     return group.pg is not None and torch.compiler.is_compiling()
@@ -88,6 +95,10 @@ def all_gather(x: Tensor, sizes: Sequence[int], group: Group) -> Tensor:
     if traced(group):
         out: Tensor = torch.ops.distgrad.all_gather(x, list(sizes), group.name, order_token(x))
         return out
+    x = resolved(x)
+    if deferring():
+        like = _meta((sum(sizes), *x.shape[1:]), x.dtype)
+        return started(_comm.all_gather.start(x, sizes, group), like, x.device)
     return _comm.all_gather(x, sizes, group)
 
 
@@ -107,6 +118,10 @@ def reduce_scatter(x: Tensor, sizes: Sequence[int], group: Group) -> Tensor:
             x, list(sizes), group.rank, group.name, order_token(x)
         )
         return out
+    x = resolved(x)
+    if deferring():
+        like = _meta((sizes[group.rank], *x.shape[1:]), x.dtype)
+        return started(_comm.reduce_scatter.start(x, sizes, group), like, x.device)
     return _comm.reduce_scatter(x, sizes, group)
 
 
@@ -128,6 +143,11 @@ def all_to_all(
             x, list(input_sizes), list(output_sizes), group.name, order_token(x)
         )
         return out
+    x = resolved(x)
+    if deferring():
+        like = _meta((sum(output_sizes), *x.shape[1:]), x.dtype)
+        pending = _comm.all_to_all.start(x, input_sizes, output_sizes, group)
+        return started(pending, like, x.device)
     return _comm.all_to_all(x, input_sizes, output_sizes, group)
 
 
@@ -149,6 +169,10 @@ def all_reduce(x: Tensor, op: str, group: Group) -> Tensor:
     if traced(group):
         out: Tensor = torch.ops.distgrad.all_reduce(x, op, group.name, order_token(x))
         return out
+    x = resolved(x)
+    if deferring():
+        like = _meta(x.shape, x.dtype)
+        return started(_comm.all_reduce.start(x, op, group), like, x.device)
     return _comm.all_reduce(x, op, group)
 
 
@@ -166,6 +190,10 @@ def broadcast(x: Tensor, src: int, group: Group) -> Tensor:
     if traced(group):
         out: Tensor = torch.ops.distgrad.broadcast(x, src, group.name, order_token(x))
         return out
+    x = resolved(x)
+    if deferring():
+        like = _meta(x.shape, x.dtype)
+        return started(_comm.broadcast.start(x, src, group), like, x.device)
     return _comm.broadcast(x, src, group)
 
 
@@ -184,12 +212,20 @@ def reduce(x: Tensor, dst: int, group: Group) -> Tensor:
     if traced(group):
         out: Tensor = torch.ops.distgrad.reduce(x, dst, group.name, order_token(x))
         return out
+    x = resolved(x)
+    if deferring():
+        pending = _comm.reduce.start(x, dst, group)
+        finish = functools.partial(_or_zeros, like=x)
+        return started(pending, _meta(x.shape, x.dtype), x.device, finish)
     return _reduce_or_zeros(x, dst, group)
 
 
 def _reduce_or_zeros(x: Tensor, dst: int, group: Group) -> Tensor:
-    out = _comm.reduce(x, dst, group)
-    return out if out is not None else torch.zeros_like(x, memory_format=torch.contiguous_format)
+    return _or_zeros(_comm.reduce(x, dst, group), x)
+
+
+def _or_zeros(out: Tensor | None, like: Tensor) -> Tensor:
+    return out if out is not None else torch.zeros_like(like, memory_format=torch.contiguous_format)
 
 
 @op("reduce")
@@ -209,12 +245,21 @@ def gather(x: Tensor, sizes: Sequence[int], dst: int, group: Group) -> Tensor:
             x, list(sizes), dst, group.rank, group.name, order_token(x)
         )
         return out
+    x = resolved(x)
+    if deferring():
+        rows = sum(sizes) if group.rank == dst else 0
+        pending = _comm.gather.start(x, sizes, dst, group)
+        finish = functools.partial(_or_empty, like=x)
+        return started(pending, _meta((rows, *x.shape[1:]), x.dtype), x.device, finish)
     return _gather_or_empty(x, sizes, dst, group)
 
 
 def _gather_or_empty(x: Tensor, sizes: Sequence[int], dst: int, group: Group) -> Tensor:
-    out = _comm.gather(x, sizes, dst, group)
-    return out if out is not None else x.new_empty((0, *x.shape[1:]))
+    return _or_empty(_comm.gather(x, sizes, dst, group), x)
+
+
+def _or_empty(out: Tensor | None, like: Tensor) -> Tensor:
+    return out if out is not None else like.new_empty((0, *like.shape[1:]))
 
 
 @op("gather")
@@ -242,6 +287,11 @@ def scatter(
             x, list(sizes), src, list(trailing), dtype, device, group.rank, group.name, token
         )
         return out
+    x = None if x is None else resolved(x)
+    if deferring():
+        like = _meta((sizes[group.rank], *trailing), dtype)
+        pending = _comm.scatter.start(x, sizes, src, trailing, dtype, device, group)
+        return started(pending, like, device)
     return _comm.scatter(x, sizes, src, trailing, dtype, device, group)
 
 
@@ -283,6 +333,10 @@ def permute(x: Tensor, perm: Sequence[int], recv_shape: Sequence[int], group: Gr
             x, list(perm), list(recv_shape), group.name, order_token(x)
         )
         return out
+    x = resolved(x)
+    if deferring():
+        like = _meta(recv_shape, x.dtype)
+        return started(_comm.permute.start(x, perm, recv_shape, group), like, x.device)
     return _comm.permute(x, perm, recv_shape, group)
 
 

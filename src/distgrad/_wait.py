@@ -192,30 +192,33 @@ def wait_collective(
         note.end()
 
 
-def wait_pairs(works: Sequence[Any], peers: Sequence[int], group: Group, largest: int) -> None:
+def wait_pairs(
+    works: Sequence[Any], peers: Sequence[int], group: Group, largest: int, what: str | None = None
+) -> None:
     """Wait for point-to-point works; ``peers[i]`` is the group rank ``works[i]`` talks to and
-    ``largest`` the largest message in bytes."""
+    ``largest`` the largest message in bytes; ``what`` names the call in errors (default
+    :func:`activity`)."""
     start = time.monotonic()
     if largest <= INLINE_BYTES or group.is_nccl:
         for work, peer in zip(works, peers, strict=True):
             try:
                 work.wait()
             except RuntimeError as exc:
-                raise annotate(exc, group, [peer], start) from None
+                raise annotate(exc, group, [peer], start, what) from None
         return
     job = _Job(works)
     _submit(job)
-    note = _LongWait(group, None, start)
+    note = _LongWait(group, what, start)
     try:
         while not job.done.wait(TICK_S):
             dead = _dead_peer(group, sorted(set(peers)))
             if dead is not None:
-                raise annotate(dead[1], group, [dead[0]], start) from None
+                raise annotate(dead[1], group, [dead[0]], start, what) from None
             note.tick()
     finally:
         note.end()
     if job.error is not None:
-        raise annotate(job.error, group, [peers[job.failed]], start) from None
+        raise annotate(job.error, group, [peers[job.failed]], start, what) from None
 
 
 class _Job:

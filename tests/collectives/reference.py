@@ -265,8 +265,12 @@ def check_case(
     group: Any = None,
     in_place: bool = False,
     known: bool = False,
+    async_op: bool = False,
 ) -> None:
     """Run ``case`` as group rank ``rank`` of ``n`` and compare with the reference.
+
+    ``async_op``: call the op with ``async_op=True``; its result must be an ``AsyncTensor``
+    still waiting for its data, and every value and gradient must be the blocking call's.
 
     ``known``: pass every size the op could otherwise learn from its peers (no exchange).
 
@@ -286,7 +290,11 @@ def check_case(
     passes_none = case.op == "scatter" and rank != case.kwargs["src"]
     local = [x if r == rank else t.to(device) for r, t in enumerate(xs)]
     arg, kwargs = call_args(case, rank, local, known)
+    if async_op:
+        kwargs["async_op"] = True
     out = getattr(dg, case.op)(arg, group=group, **kwargs)
+    if async_op:
+        assert isinstance(out, dg.AsyncTensor) and not out.done, f"not in flight: {type(out)}"
     torch.testing.assert_close(
         out.cpu(), expected[rank], **TOL[dtype], msg=lambda m: f"forward: {m}"
     )
@@ -296,6 +304,7 @@ def check_case(
     # the group's default device (CPU for gloo, even with CUDA tensors elsewhere).
     (out * vs[rank].to(out.device)).sum().backward()
     if not passes_none:
+        assert x.grad is None or type(x.grad) is torch.Tensor, f"x.grad is a {type(x.grad)}"
         got = (x.grad if x.grad is not None else torch.zeros_like(x)).cpu()
         want = grads[rank] * (2.0 if in_place else 1.0)
         torch.testing.assert_close(got, want, **TOL[dtype], msg=lambda m: f"gradient: {m}")

@@ -10,6 +10,7 @@ each step runs on fresh data three times.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -24,29 +25,31 @@ from tests._support import COMPILED, seeded
 Step = Callable[[Tensor, Tensor], Tensor]
 
 
-def _collectives(rank: int, n: int) -> Step:
-    """Every public collective with every size given, each output weighted differently."""
+def _collectives(rank: int, n: int, async_op: bool = False) -> Step:
+    """Every public collective with every size given, each output weighted differently; with
+    ``async_op``, every call is made with ``async_op=True`` (traced as the blocking call)."""
+    k = {"async_op": True} if async_op else {}
     ring = [(r + 1) % n for r in range(n)]
     to_first = [4] + [0] * (n - 1)  # every rank sends its rows to rank 0
 
     def step(x: Tensor, v: Tensor) -> Tensor:  # x: [4, 3] on every rank
         outs = [
-            dg.all_gather(x, sizes=[4] * n),
-            dg.all_gather(x, dim=1, sizes=[3] * n, objective="replicated"),
-            dg.all_reduce(x),
-            dg.all_reduce(x, "avg"),
-            dg.all_reduce(x, "prod"),
-            dg.all_reduce(x, "max"),
-            dg.all_reduce(x, "min"),
-            dg.reduce_scatter(x.repeat(n, 1)),
-            dg.reduce_scatter(x.repeat(n, 1), "max"),
-            dg.all_to_all(x.repeat(n, 1)),
-            dg.all_to_all(x, input_sizes=to_first, output_sizes=[4 if rank == 0 else 0] * n),
-            dg.broadcast(x, n - 1),
-            dg.reduce(x, 0),
-            dg.gather(x, 0, sizes=[4] * n),
-            dg.scatter(x.repeat(n, 1) if rank == 0 else x, 0, sizes=[4] * n),
-            dg.permute(x, ring, recv_shape=(4, 3)),
+            dg.all_gather(x, sizes=[4] * n, **k),
+            dg.all_gather(x, dim=1, sizes=[3] * n, objective="replicated", **k),
+            dg.all_reduce(x, **k),
+            dg.all_reduce(x, "avg", **k),
+            dg.all_reduce(x, "prod", **k),
+            dg.all_reduce(x, "max", **k),
+            dg.all_reduce(x, "min", **k),
+            dg.reduce_scatter(x.repeat(n, 1), **k),
+            dg.reduce_scatter(x.repeat(n, 1), "max", **k),
+            dg.all_to_all(x.repeat(n, 1), **k),
+            dg.all_to_all(x, input_sizes=to_first, output_sizes=[4 if rank == 0 else 0] * n, **k),
+            dg.broadcast(x, n - 1, **k),
+            dg.reduce(x, 0, **k),
+            dg.gather(x, 0, sizes=[4] * n, **k),
+            dg.scatter(x.repeat(n, 1) if rank == 0 else x, 0, sizes=[4] * n, **k),
+            dg.permute(x, ring, recv_shape=(4, 3), **k),
         ]
         return sum((o * v[i, : o.shape[0], : o.shape[1]]).sum() for i, o in enumerate(outs))
 
@@ -83,6 +86,7 @@ def _losses(rank: int, n: int) -> Step:
 STEPS: dict[str, tuple[Callable[[int, int], Step], tuple[int, int]]] = {
     "collectives": (_collectives, (4, 3)),
     "losses": (_losses, (4, 8)),
+    "collectives_async": (functools.partial(_collectives, async_op=True), (4, 3)),
 }
 
 
@@ -122,4 +126,12 @@ def test_every_collective_compiles_to_one_graph_and_matches_eager() -> None:
 @pytest.mark.timeout(400)
 def test_every_loss_compiles_to_one_graph_and_matches_eager() -> None:
     for found in run_on_ranks(_compiled_matches_eager, 2, args=("losses",), timeout=300):
+        assert found[:2] == [1, 0], found
+
+
+@pytest.mark.timeout(400)
+def test_async_op_compiles_to_one_graph_and_matches_eager() -> None:
+    """The same collectives with ``async_op=True``: eager (tensors that wait on first use) and
+    compiled (the blocking call, traced) agree, in one graph."""
+    for found in run_on_ranks(_compiled_matches_eager, 2, args=("collectives_async",), timeout=300):
         assert found[:2] == [1, 0], found

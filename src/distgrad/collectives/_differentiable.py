@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import FunctionCtx
 
+from distgrad._async import deferred, deferring
 from distgrad._group import Group
 from distgrad.collectives._common import Objective
 from distgrad.collectives._debug import check_backward_order, check_replicated
@@ -77,6 +78,8 @@ def _forward_of(op: type[Collective]) -> Any:
     def forward(ctx: FunctionCtx, x: Tensor | None, plan: Plan, anchor: Tensor | None) -> Tensor:
         ctx.plan = plan  # type: ignore[attr-defined]
         ctx.anchor_like = anchor.detach() if anchor is not None else None  # type: ignore[attr-defined]
+        # async_op=True: the backward's exchange is started the same way (distgrad._async).
+        ctx.deferred = not torch.compiler.is_compiling() and deferring()  # type: ignore[attr-defined]
         return op.run(x, plan)
 
     return forward
@@ -90,8 +93,11 @@ def _backward_of(op: type[Collective]) -> Any:
             check_replicated(op.name, plan.group, grad)
             back = op.replicated(grad, plan)
         else:
-            # A collective every rank runs, whether or not this rank's input wants its result.
-            back = partner(*op.adjoint(plan), grad)
+            needs = ctx.needs_input_grad
+            # A collective every rank runs, whether or not this rank's input wants its result
+            # (one whose result nobody reads is waited for here, so its errors are raised).
+            with deferred(ctx.deferred and needs[0]):
+                back = partner(*op.adjoint(plan), grad)
         needs = ctx.needs_input_grad
         # An anchor's values reach no output: its gradient is zeros, and torch.autograd.grad
         # may ask for it like any input.

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from distgrad import _ops
+from distgrad._async import offers_async_op
 from distgrad._group import Group, ProcessGroup
 from distgrad.collectives import _common as c
 from distgrad.collectives._differentiable import Adjoint, Collective, Plan, apply
@@ -101,6 +102,7 @@ def apply_reduce_scatter(
     return c.from_front(reduce_stacked(stacked, op), dim)
 
 
+@offers_async_op
 def all_gather(
     x: Tensor,
     group: ProcessGroup | None = None,
@@ -108,6 +110,7 @@ def all_gather(
     dim: int = 0,
     sizes: Sequence[int] | None = None,
     objective: c.Objective = "sum",
+    async_op: bool = False,
 ) -> Tensor:
     """Concatenate every rank's ``x`` along ``dim``, in rank order, on every rank.
 
@@ -131,6 +134,10 @@ def all_gather(
     moving (N-1)/N of the gradient, then a local sum (nothing with ``objective="replicated"``).
     On gloo, with equal sizes under 256 KB per rank, the backward is an all_reduce and a slice
     instead: fewer round trips (docs/semantics.md, "How the data moves on gloo").
+
+    ``async_op=True``: return at once an :class:`~distgrad.AsyncTensor`, which waits for the
+    data on first use; the backward's exchange is started the same way (docs/semantics.md,
+    "Overlap: async_op").
     """
     call = ALL_GATHER.bind(group, x, dim=dim, objective=objective, sizes=sizes)
     dim = call["dim"]
@@ -138,6 +145,7 @@ def all_gather(
     return apply_all_gather(x, call.group, plan_sizes, dim, objective)
 
 
+@offers_async_op
 def reduce_scatter(
     x: Tensor,
     op: c.ReduceOp = "sum",
@@ -145,6 +153,7 @@ def reduce_scatter(
     *,
     dim: int = 0,
     sizes: Sequence[int] | None = None,
+    async_op: bool = False,
 ) -> Tensor:
     """Reduce ``x`` over ranks with ``op`` and give each rank its slice of the result along ``dim``.
 
@@ -166,6 +175,10 @@ def reduce_scatter(
     avg on gloo with equal slices under 256 KB: an all_reduce and a slice, fewer round trips);
     backward 1 all_gather of the gradient (sum, avg) or 1 all_to_all of the same size as the
     forward's (prod, max, min). No metadata once the first calls on the group are checked.
+
+    ``async_op=True``: return at once an :class:`~distgrad.AsyncTensor`, which waits for the
+    data on first use; the backward's exchange is started the same way (docs/semantics.md,
+    "Overlap: async_op").
     """
     call = REDUCE_SCATTER.bind(group, x, op=op, dim=dim, sizes=sizes)
     return apply_reduce_scatter(x, call.group, call["sizes"], call["dim"], call["op"])

@@ -11,6 +11,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from distgrad import _ops
+from distgrad._async import offers_async_op
 from distgrad._group import Group, ProcessGroup
 from distgrad.collectives import _common as c
 from distgrad.collectives._differentiable import Adjoint, Collective, Plan, apply
@@ -53,12 +54,14 @@ def apply_all_reduce(x: Tensor, group: Group, op: str, objective: c.Objective = 
     return apply_all_gather(part, group, sizes, 0, objective).view(x.shape)
 
 
+@offers_async_op
 def all_reduce(
     x: Tensor,
     op: c.ReduceOp = "sum",
     group: ProcessGroup | None = None,
     *,
     objective: c.Objective = "sum",
+    async_op: bool = False,
 ) -> Tensor:
     """Reduce ``x`` elementwise over the ranks of ``group`` with ``op``; every rank gets the result.
 
@@ -83,6 +86,10 @@ def all_reduce(
     (prod, max, min); backward 1 all_reduce (sum, avg; none when replicated) or 1 all_to_all
     plus 1 all_to_all-based reduce-scatter (prod, max, min). No metadata once the first calls
     on the group are checked (docs/semantics.md).
+
+    ``async_op=True``: return at once an :class:`~distgrad.AsyncTensor`, which waits for the
+    data on first use; the backward's exchange is started the same way (docs/semantics.md,
+    "Overlap: async_op").
     """
     call = SIGNATURE.bind(group, x, op=op, objective=objective)
     return apply_all_reduce(x, call.group, call["op"], objective)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from distgrad import _ops
+from distgrad._async import offers_async_op
 from distgrad._group import Group, ProcessGroup
 from distgrad._meta import RankCall
 from distgrad.collectives import _common as c
@@ -68,6 +69,7 @@ def apply_all_to_all(
     return apply(_AllToAll, x, _Plan(group, input_sizes, output_sizes, dim))
 
 
+@offers_async_op
 def all_to_all(
     x: Tensor,
     group: ProcessGroup | None = None,
@@ -75,6 +77,7 @@ def all_to_all(
     dim: int = 0,
     input_sizes: Sequence[int] | None = None,
     output_sizes: Sequence[int] | None = None,
+    async_op: bool = False,
 ) -> Tensor:
     """Split ``x`` along ``dim`` into one part per rank, send part i to rank i, concatenate what
     arrives, in rank order.
@@ -94,6 +97,10 @@ def all_to_all(
 
     Communication: forward 1 all_to_all of x, plus the size exchange when ``output_sizes`` must
     be learned; backward 1 all_to_all of the gradient.
+
+    ``async_op=True``: return at once an :class:`~distgrad.AsyncTensor`, which waits for the
+    data on first use; the backward's exchange is started the same way (docs/semantics.md,
+    "Overlap: async_op").
     """
     call = SIGNATURE.bind(group, x, dim=dim, input_sizes=input_sizes, output_sizes=output_sizes)
     if call.group.size == 1:

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from distgrad import _ops
+from distgrad._async import offers_async_op
 from distgrad._group import Group, ProcessGroup
 from distgrad.collectives import _common as c
 from distgrad.collectives._differentiable import Adjoint, Collective, Plan, apply
@@ -63,12 +64,14 @@ class _ReduceSum(Collective):
         return _Broadcast, plan
 
 
+@offers_async_op
 def broadcast(
     x: Tensor,
     src: int,
     group: ProcessGroup | None = None,
     *,
     objective: c.Objective = "sum",
+    async_op: bool = False,
 ) -> Tensor:
     """Every rank gets a copy of group rank ``src``'s ``x``.
 
@@ -84,6 +87,10 @@ def broadcast(
 
     Communication: forward 1 broadcast of x; backward 1 reduce (none when replicated). No
     metadata once the first calls on the group are checked.
+
+    ``async_op=True``: return at once an :class:`~distgrad.AsyncTensor`, which waits for the
+    data on first use; the backward's exchange is started the same way (docs/semantics.md,
+    "Overlap: async_op").
     """
     g = BROADCAST.bind(group, x, src=src, objective=objective).group
     if g.size == 1:
@@ -91,11 +98,14 @@ def broadcast(
     return apply(_Broadcast, x, _Plan(g, src, objective=objective))
 
 
+@offers_async_op
 def reduce(
     x: Tensor,
     dst: int,
     op: c.ReduceOp = "sum",
     group: ProcessGroup | None = None,
+    *,
+    async_op: bool = False,
 ) -> Tensor:
     """Reduce ``x`` elementwise over the ranks of ``group`` with ``op``; group rank ``dst`` gets it.
 
@@ -115,6 +125,10 @@ def reduce(
     Communication: forward 1 reduce (sum, avg) or 1 all_to_all plus 1 gather (prod, max, min);
     backward 1 broadcast (sum, avg) or 1 scatter plus 1 all_to_all (prod, max, min). No metadata
     once the first calls on the group are checked.
+
+    ``async_op=True``: return at once an :class:`~distgrad.AsyncTensor`, which waits for the
+    data on first use; the backward's exchange is started the same way (docs/semantics.md,
+    "Overlap: async_op").
     """
     call = REDUCE.bind(group, x, dst=dst, op=op)
     if call.group.size == 1:

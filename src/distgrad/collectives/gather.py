@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from distgrad import _comm, _ops
+from distgrad._async import offers_async_op
 from distgrad._group import Group, ProcessGroup
 from distgrad._meta import RankCall
 from distgrad.collectives import _common as c
@@ -90,6 +91,7 @@ def apply_gather(x: Tensor, group: Group, sizes: tuple[int, ...], dim: int, dst:
     return apply(_Gather, x, _Plan(group, sizes, dim, dst, trailing, x.dtype, x.device))
 
 
+@offers_async_op
 def gather(
     x: Tensor,
     dst: int,
@@ -97,6 +99,7 @@ def gather(
     *,
     dim: int = 0,
     sizes: Sequence[int] | None = None,
+    async_op: bool = False,
 ) -> Tensor:
     """Concatenate every rank's ``x`` along ``dim``, in rank order, on group rank ``dst`` only.
 
@@ -115,6 +118,10 @@ def gather(
 
     Communication: forward 1 gather of x (padded to the largest rank's size when sizes differ),
     plus the size exchange when ``sizes`` is not given; backward 1 scatter.
+
+    ``async_op=True``: return at once an :class:`~distgrad.AsyncTensor`, which waits for the
+    data on first use; the backward's exchange is started the same way (docs/semantics.md,
+    "Overlap: async_op").
     """
     call = GATHER.bind(group, x, dst=dst, dim=dim, sizes=sizes)
     dim = call["dim"]
@@ -122,6 +129,7 @@ def gather(
     return apply_gather(x, call.group, plan_sizes, dim, dst)
 
 
+@offers_async_op
 def scatter(
     x: Tensor | None,
     src: int,
@@ -129,6 +137,7 @@ def scatter(
     *,
     dim: int = 0,
     sizes: Sequence[int] | None = None,
+    async_op: bool = False,
 ) -> Tensor:
     """Split group rank ``src``'s ``x`` along ``dim`` into one part per rank; rank i gets part i.
 
@@ -151,6 +160,10 @@ def scatter(
 
     Communication: forward 1 scatter, plus the exchange when ``sizes`` is not given; backward 1
     gather.
+
+    ``async_op=True``: return at once an :class:`~distgrad.AsyncTensor`, which waits for the
+    data on first use; the backward's exchange is started the same way (docs/semantics.md,
+    "Overlap: async_op").
     """
     call = SCATTER.bind(group, x, src=src, dim=dim, sizes=sizes)
     g, moved_dim, mine = call.group, call["dim"], call["sizes"]

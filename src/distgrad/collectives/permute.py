@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from distgrad import _ops
+from distgrad._async import offers_async_op
 from distgrad._group import Group, ProcessGroup
 from distgrad._meta import show
 from distgrad.collectives import _common as c
@@ -50,12 +51,14 @@ class _Permute(Collective):
         return _Permute, plan.inverse()
 
 
+@offers_async_op
 def permute(
     x: Tensor,
     perm: Sequence[int],
     group: ProcessGroup | None = None,
     *,
     recv_shape: Sequence[int] | None = None,
+    async_op: bool = False,
 ) -> Tensor:
     """Send ``x`` to group rank ``perm[rank]`` and return what arrives from the rank that maps
     here.
@@ -74,6 +77,10 @@ def permute(
 
     Communication: forward 1 send and 1 receive of x per rank, plus the shape exchange when
     ``recv_shape`` is not given; backward the same with the inverse permutation.
+
+    ``async_op=True``: return at once an :class:`~distgrad.AsyncTensor`, which waits for the
+    data on first use; the backward's exchange is started the same way (docs/semantics.md,
+    "Overlap: async_op").
     """
     call = SIGNATURE.bind(group, x, perm=perm, recv_shape=recv_shape)
     g, desc, calls = call.group, call.desc, call.calls
