@@ -34,7 +34,9 @@ def table() -> str:
     rows = []
     test_files = sorted((ROOT / "tests").rglob("*.py"))
     for op in collectives.__all__:
-        source = Path(inspect.getsourcefile(getattr(distgrad, op)) or "").relative_to(ROOT)
+        source = Path(
+            inspect.getsourcefile(inspect.unwrap(getattr(distgrad, op))) or ""
+        ).relative_to(ROOT)
         pattern = re.compile(rf"\bdg\.{op}\(|(?<![\w.]){op}\(|\"{op}\"")
         users = [
             str(path.relative_to(ROOT))

@@ -27,6 +27,7 @@ LAYERS: Layers = [
     # The data guard past the checked calls: tags that travel in the data's own buffers.
     [["distgrad._guard"]],
     [["distgrad._comm"]],  # raw out-of-place communication: every backend quirk
+    [["distgrad._async"]],  # async_op=True: results that wait for their data on first use
     # The checked calls' metadata and debug mode; the torch.library ops.
     [["distgrad._meta"], ["distgrad._ops"]],
     [["distgrad.collectives"]],  # the differentiable ops, one file per adjoint pair

@@ -11,6 +11,7 @@ import distgrad.collectives
 import distgrad.errors
 
 PUBLIC = [
+    "AsyncTensor",
     "all_gather",
     "all_reduce",
     "all_to_all",

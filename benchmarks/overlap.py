@@ -1,0 +1,162 @@
+"""What ``async_op=True`` buys: a training step of computation and communication, blocking
+against async, on the same gloo ranks in paired rounds.
+
+    python benchmarks/overlap.py               # 2 ranks, 3 sizes, 40 rounds (a few minutes)
+    python benchmarks/overlap.py --rounds 5    # a quick run
+
+The step, per rank (float32, one thread per rank):
+
+    c1 = compute(w1)                      # created before the exchange...
+    y  = dg.all_gather(x, sizes=...)      # ...blocking, or async_op=True
+    c2 = compute(w2)                      # ...and after it
+    loss = (y * v).sum() + c1.sum() + c2.sum()
+    loss.backward()
+
+``compute`` is a chain of matmuls of a [256, 256] matrix, as long in time as the exchange's
+forward is (measured at the start of the run). With ``async_op=True`` the forward's exchange
+runs under ``c2``; in the backward the engine runs ``c2``'s nodes first (created last), then
+the all_gather's backward starts its reduce-scatter and returns, and ``c1``'s backward runs
+under it until ``x``'s gradient is accumulated (``AccumulateGrad`` waits). The blocking step
+waits both times.
+
+Variants, timed from a barrier to a barrier after the backward (the slower rank's time):
+**blocking**, **async**, **compute only** (the same step without the exchange) and
+**exchange only** (the all_gather forward+backward alone). Each round runs them in a shuffled
+order (the same on every rank); a cell is the median over rounds. The ratio async / blocking
+is paired per round. "Hidden" is the share of the exchange's time the async step saves:
+(blocking - async) / exchange only.
+
+On this machine the ranks share 2 cores with gloo's threads, which do the copying and the
+socket work of the exchange: overlap can only hide the time the exchange waits, not the CPU it
+needs. On NCCL the exchange runs on the GPU's copy engines and NVLink, on a stream of its own,
+and the same step overlaps as far as the GPU's kernels leave bandwidth (not measured here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+import distgrad as dg
+from distgrad.testing import run_on_ranks
+
+SIZES_KB = (256, 1024, 4096)  # per rank, float32
+VARIANTS = ("blocking", "async", "compute only", "exchange only")
+
+
+def _timed(step: Callable[[], None]) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    step()
+    dist.barrier()
+    return time.perf_counter() - start
+
+
+def _rank(rank: int, n: int, size_kb: int, rounds: int) -> dict[str, object]:
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(rank)
+    rows = size_kb * 1024 // 4 // 256
+    x = torch.randn(rows, 256, generator=gen, requires_grad=True)
+    v = torch.randn(rows * n, 256, generator=gen)
+    w1 = torch.randn(256, 256, generator=gen, requires_grad=True) / 16
+    w2 = torch.randn(256, 256, generator=gen, requires_grad=True) / 16
+    sizes = [rows] * n
+    for _ in range(5):  # past the checked calls, warm
+        dg.all_gather(x, sizes=sizes).sum().backward()
+
+    def exchange_only() -> None:
+        (dg.all_gather(x, sizes=sizes) * v).sum().backward()
+
+    # Two computes, each as long as half the exchange's forward+backward alone.
+    exchange_s = statistics.median(_timed(exchange_only) for _ in range(10))
+    one = statistics.median(_timed(lambda: (w1 @ w1).sum().backward()) for _ in range(10))
+    shared = torch.tensor([max(1, round(exchange_s / 2 / one))])
+    dist.broadcast(shared, 0)  # the same chain on every rank: rank 0's count
+    links = int(shared)
+
+    def compute(w: Tensor) -> Tensor:
+        h = w
+        for _ in range(links):
+            h = torch.tanh(h @ w)
+        return h
+
+    def step(async_op: bool | None) -> None:
+        c1 = compute(w1)
+        y = None if async_op is None else dg.all_gather(x, sizes=sizes, async_op=async_op)
+        c2 = compute(w2)
+        loss = c1.sum() + c2.sum()
+        if y is not None:
+            loss = loss + (y * v).sum()
+        loss.backward()
+
+    runs: dict[str, Callable[[], None]] = {
+        "blocking": lambda: step(False),
+        "async": lambda: step(True),
+        "compute only": lambda: step(None),
+        "exchange only": exchange_only,
+    }
+    for run in runs.values():
+        run()
+    order = random.Random(0)
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(rounds):
+        names = list(runs)
+        order.shuffle(names)
+        for name in names:
+            times[name].append(_timed(runs[name]))
+    return {"times": times, "links": links}
+
+
+def _row(size_kb: int, found: dict[str, object]) -> str:
+    times: dict[str, list[float]] = found["times"]  # type: ignore[assignment]
+    med = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    paired = statistics.median(
+        a / b for a, b in zip(times["async"], times["blocking"], strict=True)
+    )
+    hidden = (med["blocking"] - med["async"]) / med["exchange only"]
+    cells = [f"{med[name]:.2f}" for name in VARIANTS]
+    return (
+        f"| {size_kb} KB | {found['links']} | "
+        + " | ".join(cells)
+        + f" | {paired:.2f}x | {hidden:.0%} |"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument(
+        "--output", type=Path, default=Path(__file__).parent / "results" / "overlap.md"
+    )
+    args = parser.parse_args()
+    lines = [
+        "# Overlap: async_op=True against the blocking call",
+        "",
+        f"`python benchmarks/overlap.py --world-size {args.world_size} --rounds {args.rounds}`, "
+        f"{time.strftime('%Y-%m-%d')}, torch {torch.__version__}, {args.world_size} gloo ranks "
+        "on this machine (2 cores), float32, one thread per rank. Times in ms per step "
+        "(median over rounds; the slower rank's); the method is in the script's docstring.",
+        "",
+        "| all_gather per rank | matmuls per compute | blocking | async | compute only "
+        "| exchange only | async / blocking (paired) | hidden |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for size_kb in SIZES_KB:
+        found = run_on_ranks(_rank, args.world_size, args=(size_kb, args.rounds), timeout=1800)
+        lines.append(_row(size_kb, found[0]))
+        print(lines[-1], flush=True)
+    args.output.write_text("\n".join(lines) + "\n")
+    print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()
