@@ -177,7 +177,7 @@ def _run(
     start: Callable[..., Any],
     /,
     *args: Any,
-    what: str | None = None,
+    what: _wait.What = None,
     doing: str | None = None,
     **kwargs: Any,
 ) -> None:
@@ -190,7 +190,7 @@ def _begin(
     start: Callable[..., Any],
     /,
     *args: Any,
-    what: str | None = None,
+    what: _wait.What = None,
     doing: str | None = None,
     **kwargs: Any,
 ) -> _Started:
@@ -212,22 +212,20 @@ class _Started:
 
     __slots__ = ("_doing", "_group", "_what", "_work")
 
-    def __init__(self, work: Any, group: Group, what: str | None, doing: str | None) -> None:
+    def __init__(self, work: Any, group: Group, what: _wait.What, doing: str | None) -> None:
         self._work = work
         self._group = group
         self._what = what
         self._doing = doing
 
     def wait(self) -> None:
-        _finish(self._work, self._group, self._what, self._doing)
+        # The work goes when the wait returns, as a local of the caller would: not when the
+        # op's last steps are done (measured: 15-25 us more CPU per call on gloo otherwise).
+        work, self._work = self._work, None
+        _finish(work, self._group, self._what, self._doing)
 
     def describe_now(self) -> None:
-        self._what = self._what or _started_late(self._group)
-
-
-def _started_late(group: Group) -> str:
-    """What a wait after the call returned (``async_op=True``) says it waits for."""
-    return f"{_wait.activity(group)}, started with async_op=True"
+        self._what = self._what or _wait.StartedEarlier(self._group)
 
 
 def _settle_at_exit() -> None:
@@ -244,7 +242,7 @@ def _settle_at_exit() -> None:
 atexit.register(_settle_at_exit)
 
 
-def _finish(work: Any, group: Group, what: str | None = None, doing: str | None = None) -> None:
+def _finish(work: Any, group: Group, what: _wait.What = None, doing: str | None = None) -> None:
     """Wait for a collective started asynchronously: in ticks on gloo (``_wait``); ``what``
     and ``doing`` describe the call in errors (default: the op and pass running)."""
     if group.is_nccl:
@@ -298,11 +296,15 @@ def _staged_on_gloo(exchange: _StepsOf) -> _StepsOf:
     @functools.wraps(exchange)
     def staged(x: Tensor, *args: Any) -> Steps[Any]:
         if not _on_host(args[-1], x.device):
-            return (yield from exchange(x, *args))
-        out = yield from exchange(x.cpu(), *args)
-        return None if out is None else out.to(x.device)
+            return exchange(x, *args)  # the op's own steps: no generator around them
+        return _through_host(exchange(x.cpu(), *args), x.device)
 
     return cast(_StepsOf, staged)
+
+
+def _through_host(steps: Steps[Tensor | None], device: torch.device) -> Steps[Tensor | None]:
+    out = yield from steps
+    return None if out is None else out.to(device)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -417,16 +419,17 @@ class Exchange:
         self._largest = largest
         self._group = group
         self._landings = landings  # (host buffer, its device target): staged receives
-        self._what: str | None = None
+        self._what: _wait.What = None
 
     def wait(self) -> None:
-        if self._works:
-            _wait.wait_pairs(self._works, self._peers, self._group, self._largest, self._what)
+        works, self._works = self._works, []  # gone when the wait returns (see _Started)
+        if works:
+            _wait.wait_pairs(works, self._peers, self._group, self._largest, self._what)
         for host, target in self._landings:
             target.copy_(host)
 
     def describe_now(self) -> None:
-        self._what = self._what or _started_late(self._group)
+        self._what = self._what or _wait.StartedEarlier(self._group)
 
 
 def start_exchange(

@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from distgrad._async import AsyncTensor
+
 __all__ = [
     "OBJECTIVES",
     "REDUCE_OPS",
@@ -132,6 +134,8 @@ def output(y: Tensor) -> Tensor:
     all_gather copied 8 MB). ``detach()`` gives a tensor nobody else holds, without the view
     relation, on memory the collective no longer writes.
     """
+    if isinstance(y, AsyncTensor) and y._base is None:
+        return y  # async_op=True: a tensor of its own already, on no buffer of a work's
     return y.detach()
 
 

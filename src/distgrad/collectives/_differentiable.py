@@ -93,10 +93,12 @@ def _backward_of(op: type[Collective]) -> Any:
             check_replicated(op.name, plan.group, grad)
             back = op.replicated(grad, plan)
         else:
-            needs = ctx.needs_input_grad
             # A collective every rank runs, whether or not this rank's input wants its result
             # (one whose result nobody reads is waited for here, so its errors are raised).
-            with deferred(ctx.deferred and needs[0]):
+            if ctx.deferred and ctx.needs_input_grad[0]:
+                with deferred():
+                    back = partner(*op.adjoint(plan), grad)
+            else:
                 back = partner(*op.adjoint(plan), grad)
         needs = ctx.needs_input_grad
         # An anchor's values reach no output: its gradient is zeros, and torch.autograd.grad
