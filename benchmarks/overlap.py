@@ -1,7 +1,7 @@
 """What ``async_op=True`` buys: a training step of computation and communication, blocking
 against async, on the same gloo ranks in paired rounds.
 
-    python benchmarks/overlap.py               # 2 ranks, 3 sizes, 40 rounds (a few minutes)
+    python benchmarks/overlap.py               # 2 ranks, 2 scenarios x 3 sizes, 40 rounds (~15 min)
     python benchmarks/overlap.py --rounds 5    # a quick run
 
 The step, per rank (float32, one thread per rank):
@@ -12,19 +12,27 @@ The step, per rank (float32, one thread per rank):
     loss = (y * v).sum() + c1.sum() + c2.sum()
     loss.backward()
 
-``compute`` is a chain of matmuls of a [256, 256] matrix, as long in time as the exchange's
-forward is (measured at the start of the run). With ``async_op=True`` the forward's exchange
-runs under ``c2``; in the backward the engine runs ``c2``'s nodes first (created last), then
-the all_gather's backward starts its reduce-scatter and returns, and ``c1``'s backward runs
-under it until ``x``'s gradient is accumulated (``AccumulateGrad`` waits). The blocking step
-waits both times.
+``compute`` is a chain of ``tanh(h @ w)`` on [256, 256] matrices; each of ``c1`` and ``c2`` is
+as long as half the exchange's forward+backward alone (measured at the start of the run).
+With ``async_op=True`` the forward's exchange runs under ``c2``; in the backward the engine
+runs ``c2``'s nodes first (created last), then the all_gather's backward starts its
+reduce-scatter and returns, and ``c1``'s backward runs under it until ``x``'s gradient is
+accumulated (``AccumulateGrad`` waits). The blocking step waits both times. Two scenarios:
+
+* **balanced**: every rank computes the same before and after the exchange;
+* **skewed**: rank 0 does all of its computation before the exchange (``c1`` twice as long,
+  no ``c2``) and the last rank all of it after, so every rank computes as much in all, but
+  rank 0 reaches the forward's exchange late and the last rank the backward's (its ``c2``
+  backward runs first), as ranks with uneven batches or a data loader's jitter do. A blocking
+  rank waits for the late one; an async one computes meanwhile.
 
 Variants, timed from a barrier to a barrier after the backward (the slower rank's time):
 **blocking**, **async**, **compute only** (the same step without the exchange) and
 **exchange only** (the all_gather forward+backward alone). Each round runs them in a shuffled
 order (the same on every rank); a cell is the median over rounds. The ratio async / blocking
-is paired per round. "Hidden" is the share of the exchange's time the async step saves:
-(blocking - async) / exchange only.
+is paired per round. "Saved / exchange only" is what the async step saves over the blocking
+one, as a share of the exchange's own time: (blocking - async) / exchange only (above 100%
+when it also saves the wait for a late peer).
 
 On this machine the ranks share 2 cores with gloo's threads, which do the copying and the
 socket work of the exchange: overlap can only hide the time the exchange waits, not the CPU it
@@ -60,14 +68,14 @@ def _timed(step: Callable[[], None]) -> float:
     return time.perf_counter() - start
 
 
-def _rank(rank: int, n: int, size_kb: int, rounds: int) -> dict[str, object]:
+def _rank(rank: int, n: int, size_kb: int, rounds: int, skewed: bool) -> dict[str, object]:
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(rank)
     rows = size_kb * 1024 // 4 // 256
     x = torch.randn(rows, 256, generator=gen, requires_grad=True)
     v = torch.randn(rows * n, 256, generator=gen)
-    w1 = torch.randn(256, 256, generator=gen, requires_grad=True) / 16
-    w2 = torch.randn(256, 256, generator=gen, requires_grad=True) / 16
+    w1 = (torch.randn(256, 256, generator=gen) / 16).requires_grad_()
+    w2 = (torch.randn(256, 256, generator=gen) / 16).requires_grad_()
     sizes = [rows] * n
     for _ in range(5):  # past the checked calls, warm
         dg.all_gather(x, sizes=sizes).sum().backward()
@@ -82,16 +90,21 @@ def _rank(rank: int, n: int, size_kb: int, rounds: int) -> dict[str, object]:
     dist.broadcast(shared, 0)  # the same chain on every rank: rank 0's count
     links = int(shared)
 
-    def compute(w: Tensor) -> Tensor:
+    # Skewed: rank 0 computes everything before the exchange, the last rank everything after.
+    before, after = links, links
+    if skewed and rank in (0, n - 1):
+        before, after = (2 * links, 0) if rank == 0 else (0, 2 * links)
+
+    def compute(w: Tensor, length: int) -> Tensor:
         h = w
-        for _ in range(links):
+        for _ in range(length):
             h = torch.tanh(h @ w)
         return h
 
     def step(async_op: bool | None) -> None:
-        c1 = compute(w1)
+        c1 = compute(w1, before)
         y = None if async_op is None else dg.all_gather(x, sizes=sizes, async_op=async_op)
-        c2 = compute(w2)
+        c2 = compute(w2, after)
         loss = c1.sum() + c2.sum()
         if y is not None:
             loss = loss + (y * v).sum()
@@ -115,7 +128,7 @@ def _rank(rank: int, n: int, size_kb: int, rounds: int) -> dict[str, object]:
     return {"times": times, "links": links}
 
 
-def _row(size_kb: int, found: dict[str, object]) -> str:
+def _row(scenario: str, size_kb: int, found: dict[str, object]) -> str:
     times: dict[str, list[float]] = found["times"]  # type: ignore[assignment]
     med = {name: statistics.median(t) * 1e3 for name, t in times.items()}
     paired = statistics.median(
@@ -124,7 +137,7 @@ def _row(size_kb: int, found: dict[str, object]) -> str:
     hidden = (med["blocking"] - med["async"]) / med["exchange only"]
     cells = [f"{med[name]:.2f}" for name in VARIANTS]
     return (
-        f"| {size_kb} KB | {found['links']} | "
+        f"| {scenario} | {size_kb} KB | {found['links']} | "
         + " | ".join(cells)
         + f" | {paired:.2f}x | {hidden:.0%} |"
     )
@@ -146,14 +159,20 @@ def main() -> None:
         "on this machine (2 cores), float32, one thread per rank. Times in ms per step "
         "(median over rounds; the slower rank's); the method is in the script's docstring.",
         "",
-        "| all_gather per rank | matmuls per compute | blocking | async | compute only "
-        "| exchange only | async / blocking (paired) | hidden |",
-        "|---|---|---|---|---|---|---|---|",
+        "| scenario | all_gather per rank | links per compute | blocking | async "
+        "| compute only | exchange only | async / blocking (paired) | saved / exchange only |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for size_kb in SIZES_KB:
-        found = run_on_ranks(_rank, args.world_size, args=(size_kb, args.rounds), timeout=1800)
-        lines.append(_row(size_kb, found[0]))
-        print(lines[-1], flush=True)
+    for scenario in ("balanced", "skewed"):
+        for size_kb in SIZES_KB:
+            found = run_on_ranks(
+                _rank,
+                args.world_size,
+                args=(size_kb, args.rounds, scenario == "skewed"),
+                timeout=1800,
+            )
+            lines.append(_row(scenario, size_kb, found[0]))
+            print(lines[-1], flush=True)
     args.output.write_text("\n".join(lines) + "\n")
     print(f"wrote {args.output}")
 

@@ -155,6 +155,13 @@ class AsyncTensor(Tensor):
     def __repr__(self) -> str:  # type: ignore[override]
         return f"AsyncTensor({self._resolve()!r})"
 
+    # What reads memory without an operation (pickling, NumPy) gets the data, waited for.
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return self._resolve().__reduce_ex__(protocol)  # type: ignore[no-untyped-call]
+
+    def numpy(self, *, force: bool = False) -> Any:
+        return self._resolve().numpy(force=force)
+
     @classmethod
     def __torch_dispatch__(  # type: ignore[override]
         cls,

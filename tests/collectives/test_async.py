@@ -163,3 +163,19 @@ def test_a_peer_that_dies_in_flight_fails_the_first_use_naming_it() -> None:
         run_on_ranks(_peer_dies_in_flight, 2, timeout=60, collective_timeout=30)
     message = str(failed.value)
     assert "all_gather" in message and "async_op=True" in message and "rank 1" in message, message
+
+
+def _read_without_an_operation(rank: int, n: int) -> list[object]:
+    warm_up()
+    out = dg.all_gather(torch.full((2,), float(rank)), sizes=[2] * n, async_op=True)
+    copy = dg.all_reduce(torch.ones(3), async_op=True)
+    return [out, copy.numpy().tolist(), repr(dg.broadcast(torch.ones(1), 0, async_op=True))]
+
+
+def test_pickling_numpy_and_repr_wait_for_the_data() -> None:
+    """What reads memory without a tensor operation still gets the data, not a wrapper."""
+    for out, copied, text in run_on_ranks(_read_without_an_operation, 2):
+        assert type(out) is torch.Tensor  # unpickled from the rank: the plain data
+        torch.testing.assert_close(out, torch.tensor([0.0, 0.0, 1.0, 1.0]), **EXACT)
+        assert copied == [2.0, 2.0, 2.0]
+        assert text == "AsyncTensor(tensor([1.]))"
