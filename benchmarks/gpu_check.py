@@ -223,12 +223,12 @@ def _sweep(rank: int, n: int, device: str, op: str) -> list[tuple[str, int, str]
     warm_up(device)
     chosen = [c for c in cases(n) + edge_cases(n) + replicated_cases(n) if c.op == op]
     found = []
-    for dtype in (torch.float64, torch.float32):
+    for dtype, async_op in ((torch.float64, False), (torch.float32, False), (torch.float64, True)):
         passed, first = 0, ""
         for case in chosen:
             for known in (False, True):
                 try:
-                    check_case(rank, n, case, dtype, device, known=known)
+                    check_case(rank, n, case, dtype, device, known=known, async_op=async_op)
                     passed += 1
                 except AssertionError as exc:
                     first = first or f"{case.kwargs} known={known}: {_short(exc)}"
@@ -236,7 +236,7 @@ def _sweep(rank: int, n: int, device: str, op: str) -> list[tuple[str, int, str]
                     traceback.print_exc()  # the whole error, for the log; the row has its head
                     found.append((str(dtype), passed, f"{case.kwargs}: {_short(exc)}"))
                     return found
-        found.append((str(dtype), passed, first))
+        found.append((f"{dtype}{', async_op=True' if async_op else ''}", passed, first))
     return found
 
 
@@ -247,7 +247,8 @@ def part_gradients(device: str, gpus: int) -> Section:
         "sizes, several dims, every reduce op, prod with zeros, max/min with ties, the "
         "replicated objective), forward and input gradient against single-process autograd "
         "with a different random cotangent per rank, past the checked calls, with and without "
-        "the sizes given. Tolerances: float64 rtol 1e-10, float32 rtol 1e-5.",
+        "the sizes given; float64 once more with async_op=True (the result must still be in "
+        "flight when the call returns). Tolerances: float64 rtol 1e-10, float32 rtol 1e-5.",
         ("setup", "op", "dtype", "cases", "result"),
     )
     for setup in setups(device, gpus):

@@ -213,7 +213,8 @@ def _later(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if func in _SAME_METADATA and len(args) == 1:
         return AsyncTensor(first._meta, first.device, functools.partial(run.output, 0))
     if _keeps_metadata(func, first, args, kwargs):
-        like = torch.empty_like(first._meta)
+        meta = first._meta  # (empty_like on meta tensors runs torch's Python reference: slow)
+        like = torch.empty_strided(meta.shape, meta.stride(), dtype=meta.dtype, device="meta")
         return AsyncTensor(like, first.device, functools.partial(run.output, 0))
     try:
         metas = func(*_map(_meta_of, args), **_map_values(_meta_of, kwargs))
