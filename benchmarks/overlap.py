@@ -24,7 +24,11 @@ accumulated (``AccumulateGrad`` waits). The blocking step waits both times. Two 
   no ``c2``) and the last rank all of it after, so every rank computes as much in all, but
   rank 0 reaches the forward's exchange late and the last rank the backward's (its ``c2``
   backward runs first), as ranks with uneven batches or a data loader's jitter do. A blocking
-  rank waits for the late one; an async one computes meanwhile.
+  rank waits for the late one; an async one computes meanwhile;
+* **off-CPU**: balanced, but ``compute`` keeps the rank busy without its CPU: forward and
+  backward each sleep as long as the matmul chain takes. That is how a GPU step looks to the
+  host (kernels run on the device while the CPU waits), and it isolates what async buys from
+  this machine's shortage of cores.
 
 Variants, timed from a barrier to a barrier after the backward (the slower rank's time):
 **blocking**, **async**, **compute only** (the same step without the exchange) and
@@ -68,7 +72,22 @@ def _timed(step: Callable[[], None]) -> float:
     return time.perf_counter() - start
 
 
-def _rank(rank: int, n: int, size_kb: int, rounds: int, skewed: bool) -> dict[str, object]:
+class _OffCpu(torch.autograd.Function):
+    """``w``, after ``seconds`` of sleep in the forward and again in the backward."""
+
+    @staticmethod
+    def forward(ctx, w: Tensor, seconds: float) -> Tensor:  # type: ignore[no-untyped-def]
+        ctx.seconds = seconds
+        time.sleep(seconds)
+        return w.clone()
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):  # type: ignore[no-untyped-def]
+        time.sleep(ctx.seconds)
+        return grad, None
+
+
+def _rank(rank: int, n: int, size_kb: int, rounds: int, scenario: str) -> dict[str, object]:
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(rank)
     rows = size_kb * 1024 // 4 // 256
@@ -86,16 +105,19 @@ def _rank(rank: int, n: int, size_kb: int, rounds: int, skewed: bool) -> dict[st
     # Two computes, each as long as half the exchange's forward+backward alone.
     exchange_s = statistics.median(_timed(exchange_only) for _ in range(10))
     one = statistics.median(_timed(lambda: (w1 @ w1).sum().backward()) for _ in range(10))
-    shared = torch.tensor([max(1, round(exchange_s / 2 / one))])
-    dist.broadcast(shared, 0)  # the same chain on every rank: rank 0's count
-    links = int(shared)
+    shared = torch.tensor([max(1, round(exchange_s / 2 / one)), exchange_s], dtype=torch.float64)
+    dist.broadcast(shared, 0)  # the same on every rank: rank 0's
+    links, exchange_s = int(shared[0]), float(shared[1])
 
     # Skewed: rank 0 computes everything before the exchange, the last rank everything after.
     before, after = links, links
-    if skewed and rank in (0, n - 1):
+    if scenario == "skewed" and rank in (0, n - 1):
         before, after = (2 * links, 0) if rank == 0 else (0, 2 * links)
 
     def compute(w: Tensor, length: int) -> Tensor:
+        if scenario == "off-CPU":
+            # Forward and backward of c1 and c2 together as long as the exchange alone.
+            return _OffCpu.apply(w, exchange_s / 4 * length / links)
         h = w
         for _ in range(length):
             h = torch.tanh(h @ w)
@@ -147,6 +169,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--scenarios", default="balanced,skewed,off-CPU")
     parser.add_argument(
         "--output", type=Path, default=Path(__file__).parent / "results" / "overlap.md"
     )
@@ -163,12 +186,12 @@ def main() -> None:
         "| compute only | exchange only | async / blocking (paired) | saved / exchange only |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for scenario in ("balanced", "skewed"):
+    for scenario in args.scenarios.split(","):
         for size_kb in SIZES_KB:
             found = run_on_ranks(
                 _rank,
                 args.world_size,
-                args=(size_kb, args.rounds, scenario == "skewed"),
+                args=(size_kb, args.rounds, scenario),
                 timeout=1800,
             )
             lines.append(_row(scenario, size_kb, found[0]))

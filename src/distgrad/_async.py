@@ -42,9 +42,9 @@ def deferring() -> bool:
 
 
 @contextmanager
-def deferred(on: bool = True) -> Iterator[None]:
-    """Run the block as the inside of an op with ``async_op=True`` (when ``on``)."""
-    if not on or deferring():
+def deferred() -> Iterator[None]:
+    """Run the block as the inside of an op with ``async_op=True``."""
+    if deferring():  # an op built on another: one scope, the outermost
         yield
         return
     _state.on = True

@@ -516,13 +516,14 @@ def _exchange_by_pairs(
     groups across machines, where each rank's N - 1 concurrent flows meet a ring's two
     neighbours; a ring all_gather would be the thing to try there.
     """
-    received[group.rank].copy_(sent[group.rank])
     # A pair with nothing to move is skipped on both sides: the receiver's size for it equals
     # the sender's (the handshake checked it).
     others = [peer for peer in range(group.size) if peer != group.rank]
     sends = [(sent[peer], peer) for peer in others if sent[peer].numel()]
     recvs = [(received[peer], peer) for peer in others if received[peer].numel()]
-    yield start_exchange(sends, recvs, group)
+    exchange = start_exchange(sends, recvs, group)
+    received[group.rank].copy_(sent[group.rank])  # while the peers' bytes are on their way
+    yield exchange
 
 
 @_exchange_op
