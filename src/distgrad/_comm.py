@@ -165,24 +165,11 @@ def share(values: Sequence[int], group: Group, desc: str = "a distgrad call") ->
     what = f"the metadata handshake at the start of {desc}"
     doing = f"was waiting for its peers at the start of {desc}, in its {where}"
     if group.is_nccl:
-        _run(group, _all_gather_single, every, mine, group=group.pg, async_op=True)
+        _begin(group, _all_gather_single, every, mine, group=group.pg, async_op=True).wait()
     else:
         start = group.pg._allgather_base
-        _run(group, start, every, mine, _ALL_GATHER_OPTIONS, what=what, doing=doing)
+        _begin(group, start, every, mine, _ALL_GATHER_OPTIONS, what=what, doing=doing).wait()
     return every.tolist()  # type: ignore[no-any-return]
-
-
-def _run(
-    on: Group,
-    start: Callable[..., Any],
-    /,
-    *args: Any,
-    what: _wait.What = None,
-    doing: str | None = None,
-    **kwargs: Any,
-) -> None:
-    """Start a collective on ``on`` with ``start(*args, **kwargs)`` and wait for it."""
-    _begin(on, start, *args, what=what, doing=doing, **kwargs).wait()
 
 
 def _begin(
