@@ -57,6 +57,9 @@ def _every_op(rank: int, world: int) -> None:
         backward(dg.permute(leaf(4, 8), [(r + 1) % world for r in range(world)]))
         # a 1 MB per rank exchange: the point-to-point path waited by a helper thread
         backward(dg.all_gather(leaf(512, 512)))
+        # async_op=True: waited at first use, forward and backward (both sizes' paths)
+        backward(dg.all_gather(leaf(4, 8), async_op=True))
+        backward(dg.all_gather(leaf(512, 512), async_op=True))
         a, b = leaf(6, 8), leaf(6, 8)
         total = (
             dg.losses.nt_xent(a, b)
@@ -67,6 +70,11 @@ def _every_op(rank: int, world: int) -> None:
             + dg.losses.clip_loss(a, b, block_size=3)
         )
         total.backward()
+    # Never read: its exchange is in flight or done, unwaited, when the job ends.
+    _UNREAD.append(dg.all_reduce(leaf(512, 512), async_op=True))
+
+
+_UNREAD: list[torch.Tensor] = []  # lives until the interpreter's exit
 
 
 def _ddp_with_clip_loss() -> torch.nn.Module:
