@@ -35,9 +35,10 @@ from tests.collectives.reference import cases, check_case, edge_cases, warm_up
 _GO_AHEAD = datetime.timedelta(seconds=30)
 
 
-def _sweep(rank: int, n: int, which: str, guard: bool) -> list[str]:
+def _sweep(rank: int, n: int, which: str, guard: bool, debug: bool = False) -> list[str]:
     warm_up()
     dg.set_guard(guard)
+    dg.set_debug(debug)
     chosen = cases(n) if which == "main" else edge_cases(n)
     failures = []
     for case in chosen:
@@ -54,6 +55,12 @@ def test_every_op_with_async_op_matches_single_process_autograd(world_size: int)
     for which in ("main", "edge"):
         failures = run_on_ranks(_sweep, world_size, args=(which, False), timeout=120)
         assert not [f for per_rank in failures for f in per_rank], failures
+
+
+def test_async_op_in_debug_mode() -> None:
+    """Every call checked across ranks (so each one blocks at its check), then in flight."""
+    failures = run_on_ranks(_sweep, 2, args=("main", False, True), timeout=120)
+    assert not [f for per_rank in failures for f in per_rank], failures
 
 
 def test_async_op_with_the_data_guard_on() -> None:
