@@ -186,3 +186,26 @@ def test_pickling_numpy_and_repr_wait_for_the_data() -> None:
         torch.testing.assert_close(out, torch.tensor([0.0, 0.0, 1.0, 1.0]), **EXACT)
         assert copied == [2.0, 2.0, 2.0]
         assert text == "AsyncTensor(tensor([1.]))"
+
+
+def _double_backward(rank: int, n: int) -> str:
+    warm_up()
+    gen = torch.Generator().manual_seed(rank)
+    x0 = torch.randn(4, 3, dtype=torch.float64, generator=gen)
+    v = torch.randn(4 * n, 3, dtype=torch.float64, generator=gen)
+    found = []
+    for async_op in (False, True):
+        x = x0.clone().requires_grad_()
+        y = dg.all_gather(x, sizes=[4] * n, async_op=async_op)
+        (g,) = torch.autograd.grad((y**3 * v).sum(), x, create_graph=True)
+        (g**2).sum().backward()
+        assert x.grad is not None
+        found.append((g.detach(), x.grad, type(g).__name__))
+    torch.testing.assert_close(found[1][0], found[0][0], **EXACT)
+    torch.testing.assert_close(found[1][1], found[0][1], **EXACT)
+    return found[1][2]
+
+
+def test_a_double_backward_through_async_ops_is_the_blocking_ones() -> None:
+    """``create_graph=True``: the gradient is itself in flight, and differentiable."""
+    assert run_on_ranks(_double_backward, 2) == ["AsyncTensor", "AsyncTensor"]
