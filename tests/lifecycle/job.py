@@ -117,7 +117,11 @@ def main(ending: str) -> None:
         dg.all_gather(torch.ones(512, 512))
         time.sleep(30)
     encoder = _ddp_with_clip_loss()  # freed when main returns, after any destroy below
-    print("worked", rank, flush=True)
+    # One write of the whole line: with an unbuffered stdout, print() writes "worked", " " and
+    # the rank separately, and torchrun's per-rank line prefixes then split it (seen in CI:
+    # "[default2]:worked[default1]:worked 1" and "[default2]: 2", counted as 3 of 4 ranks).
+    sys.stdout.write(f"worked {rank}\n")
+    sys.stdout.flush()
     if ending == "keyboard_interrupt":
         time.sleep(30)  # the ^C arrives by now if the calls were quicker
     if ending == "sys_exit":
