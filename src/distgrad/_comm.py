@@ -332,11 +332,6 @@ class Pending(Generic[_T]):
         except StopIteration as finished:  # nothing to exchange (a group of one)
             self._value: _T = finished.value
 
-    @property
-    def started_only(self) -> bool:
-        """Whether the exchange may still be in flight (no ``wait`` has finished it)."""
-        return self._waiting is not None
-
     def wait(self) -> _T:
         if self._error is not None:
             raise self._error
@@ -374,10 +369,6 @@ class _ExchangeOp(Generic[_P, _T]):
 
     def start(self, *args: _P.args, **kwargs: _P.kwargs) -> Pending[_T]:
         return Pending(self.steps(*args, **kwargs))
-
-
-def _exchange_op(steps: Callable[_P, Steps[_T]]) -> _ExchangeOp[_P, _T]:
-    return _ExchangeOp(steps)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -513,7 +504,7 @@ def _exchange_by_pairs(
     yield exchange
 
 
-@_exchange_op
+@_ExchangeOp
 @_staged_on_gloo
 def all_gather(x: Tensor, sizes: Sequence[int], group: Group) -> Steps[Tensor]:
     """Concatenate every rank's ``x`` along dim 0; ``sizes[i]`` is rank i's row count."""
@@ -576,7 +567,7 @@ def _all_gather(x: Tensor, sizes: Sequence[int], group: Group) -> Steps[Tensor]:
     return _trim_cat(out, sizes)
 
 
-@_exchange_op
+@_ExchangeOp
 @_staged_on_gloo
 def reduce_scatter(x: Tensor, sizes: Sequence[int], group: Group) -> Steps[Tensor]:
     """Sum ``x`` over ranks and return this rank's slice (``sizes[rank]`` rows) of the sum."""
@@ -600,7 +591,7 @@ def reduce_scatter(x: Tensor, sizes: Sequence[int], group: Group) -> Steps[Tenso
     return slices.view(group.size, mine, *x.shape[1:]).sum(0)
 
 
-@_exchange_op
+@_ExchangeOp
 @_staged_on_gloo
 def all_to_all(
     x: Tensor, input_sizes: Sequence[int], output_sizes: Sequence[int], group: Group
@@ -662,7 +653,7 @@ GLOO_ALL_TO_ALL_BELOW_BYTES = 32 * 1024 * 1024
 _ALL_TO_ALL_OPTIONS = AllToAllOptions()
 
 
-@_exchange_op
+@_ExchangeOp
 @_staged_on_gloo
 def permute(
     x: Tensor, perm: Sequence[int], recv_shape: Sequence[int], group: Group
@@ -692,7 +683,7 @@ def permute(
 # Collectives
 
 
-@_exchange_op
+@_ExchangeOp
 @_staged_on_gloo
 def all_reduce(x: Tensor, op: str, group: Group) -> Steps[Tensor]:
     """Reduce ``x`` over ranks with ``op`` in sum, prod, max, min; every rank gets the result."""
@@ -729,7 +720,7 @@ def _with_tail(x: Tensor, tag: _guard.Tag | None) -> tuple[Tensor, int]:
     return torch.cat([x.reshape(-1), _guard.tag_tensor(tag, x.dtype, x.device)]), x.numel()
 
 
-@_exchange_op
+@_ExchangeOp
 @_staged_on_gloo
 def broadcast(x: Tensor, src: int, group: Group) -> Steps[Tensor]:
     """Every rank gets group rank ``src``'s ``x`` (other ranks' values are not read)."""
@@ -776,7 +767,7 @@ def _broadcast(out: Tensor, src: int, group: Group) -> Steps[None]:
         yield _begin(group, group.pg.broadcast, [moved], opts)
 
 
-@_exchange_op
+@_ExchangeOp
 @_staged_on_gloo
 def reduce(x: Tensor, dst: int, group: Group) -> Steps[Tensor | None]:
     """The sum of ``x`` over ranks on group rank ``dst``; None on the other ranks."""
@@ -806,7 +797,7 @@ def reduce(x: Tensor, dst: int, group: Group) -> Steps[Tensor | None]:
     return _leading(out, x.shape)
 
 
-@_exchange_op
+@_ExchangeOp
 @_staged_on_gloo
 def gather(x: Tensor, sizes: Sequence[int], dst: int, group: Group) -> Steps[Tensor | None]:
     """Rank ``dst`` gets every rank's ``x`` concatenated along dim 0; None elsewhere."""
@@ -847,7 +838,7 @@ def _gather(x: Tensor, sizes: Sequence[int], dst: int, group: Group) -> Steps[Te
     return _trim_cat(out, sizes) if out is not None else None
 
 
-@_exchange_op
+@_ExchangeOp
 def scatter(
     x: Tensor | None,
     sizes: Sequence[int],
