@@ -8,15 +8,15 @@ exactly the code that runs on GPUs.
 Backend gaps handled here, once:
 
 * On gloo, ``reduce_scatter`` runs one ``all_to_all`` (each rank sends every other rank that
-  rank's slice, (N-1)/N of the tensor) and sums the N slices it receives locally. NCCL's
+  rank's slice, (N-1)/N of the tensor) and sums the N slices it receives locally, at every
+  size. gloo's own reduce-scatter is never used: a wait on its work does not return at the
+  wait's timeout, so the dead-peer watch could not run (see :func:`reduce_scatter`). NCCL's
   native reduce-scatter is used where it applies (equal sizes).
-* gloo's ``all_to_all_single`` and ``all_gather`` are slower than the same exchanges written as
-  concurrent point-to-point pairs, so on gloo both are a batch of isend/irecv (which also takes
-  unequal sizes as they are)...
-* ...except below :data:`GLOO_COLLECTIVE_BELOW_BYTES` per rank with equal sizes, where latency,
-  not bandwidth, sets the time: there all_gather is gloo's own and a reduce-scatter an
-  all_reduce and a slice (twice the bytes, fewer round trips). gloo's own reduce-scatter is
-  never used: a timed wait aborts it (see :func:`reduce_scatter`).
+* gloo's ``all_gather`` is slower than the same exchange written as concurrent point-to-point
+  pairs, so on gloo it is a batch of isend/irecv (which also takes unequal sizes as they are),
+  except below :data:`GLOO_COLLECTIVE_BELOW_BYTES` per rank with equal sizes, where latency,
+  not bandwidth, sets the time and gloo's own is faster. gloo's ``all_to_all`` is used below
+  :data:`GLOO_ALL_TO_ALL_BELOW_BYTES`, pairs above.
 * gloo's ``gather``/``scatter`` (and NCCL's ``all_gather``) reject unequal sizes; unequal sizes
   are padded to the largest and trimmed after.
 * On gloo every exchange calls the process group's own methods (``pg.send``, ``pg.allreduce``,
@@ -448,16 +448,14 @@ def _nbytes(x: Tensor) -> int:
     return x.numel() * x.element_size()
 
 
-# Below this many bytes per rank and peer, gloo's all_gather (and an all_reduce standing in for
-# a reduce-scatter) finish sooner than concurrent point-to-point pairs; from there on the pairs
-# win. Measured on 2 ranks over loopback, forward+backward, 300-400 paired rounds: a
-# reduce_scatter of 8-128 KB slices 0.73x-0.78x the pairs' time, an all_gather of 64-128 KB
-# per rank 0.87x-0.94x; at 256 KB 0.94x-1.05x, at 512 KB 1.16x, at 2 MB 1.29x-1.35x.
+# Below this many bytes per rank, gloo's all_gather finishes sooner than concurrent
+# point-to-point pairs; from there on the pairs win. Measured on 2 ranks over loopback,
+# forward+backward, 300-400 paired rounds: an all_gather of 64-128 KB per rank 0.87x-0.94x the
+# pairs' time; at 256 KB 0.94x-1.05x, at 512 KB 1.16x, at 2 MB 1.29x-1.35x.
 # (docs/semantics.md, "How the data moves on gloo".)
 GLOO_COLLECTIVE_BELOW_BYTES = 256 * 1024
 
-# The dtypes gloo's all_gather and reduce-scatter take; others go as pairs (which move any
-# dtype, and sum in torch).
+# The dtypes gloo's all_gather and all_to_all take; others go as pairs (which move any dtype).
 _GLOO_COLLECTIVE_DTYPES = frozenset(
     {
         torch.float32,
@@ -473,9 +471,8 @@ _GLOO_COLLECTIVE_DTYPES = frozenset(
 
 
 def _use_gloo_collective(piece: Tensor, sizes: Sequence[int]) -> bool:
-    """Whether an all_gather or reduce-scatter on gloo whose per-rank piece is ``piece`` (the
-    same bytes go to each peer either way) goes through gloo's own collective: small, equal
-    sizes, a dtype gloo takes."""
+    """Whether an all_gather on gloo whose per-rank piece is ``piece`` goes through gloo's own
+    all_gather: small, equal sizes, a dtype gloo takes."""
     return (
         piece.dtype in _GLOO_COLLECTIVE_DTYPES
         and _nbytes(piece) < GLOO_COLLECTIVE_BELOW_BYTES
@@ -580,12 +577,13 @@ def reduce_scatter(x: Tensor, sizes: Sequence[int], group: Group) -> Steps[Tenso
             group, _reduce_scatter_single, out, x.contiguous(), group=group.pg, async_op=True
         )
         return out
-    if not group.is_nccl and _use_gloo_collective(x[:mine], sizes):
-        # An all_reduce and this rank's slice: twice the bytes, but small, and gloo's own
-        # reduce-scatter cannot be waited on in ticks (a timed wait aborts it, and it then
-        # never completes, not even at the group's timeout).
-        summed = yield from all_reduce.steps(x, "sum", group)
-        return summed.narrow(0, group.rank * mine, mine).clone()
+    # One all_to_all (gloo's own below 32 MB), then a local sum, at every size. Not gloo's own
+    # reduce-scatter: a wait on its work does not return at the wait's timeout (measured: a
+    # 20 ms wait returned when the peer came, 200 ms later), so the dead-peer watch cannot
+    # tick. Not an all_reduce and a slice either (what this was below 256 KB per slice): that
+    # moves twice the bytes in a ring of 2(N-1) steps, the all_to_all in one; measured raw,
+    # paired, it took 1.20x-1.46x of the all_to_all and sum's time on 2 ranks (4-256 KB
+    # slices), 1.47x-1.97x on 4 and 2.80x-3.39x on 8 (benchmarks/results/exchanges.md).
     slices = yield from all_to_all.steps(x, sizes, [mine] * group.size, group)
     # Sum in rank order, the same order on every backend and run: results are reproducible.
     return slices.view(group.size, mine, *x.shape[1:]).sum(0)

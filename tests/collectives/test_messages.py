@@ -3,11 +3,11 @@
 Counted, not timed: the torch profiler records every torch.distributed operation a rank runs
 (``c10d::...`` events), in the forward and in the backward pass, on 2 gloo ranks after the
 calls that are checked across ranks. Each op's counts are pinned below. On gloo, all_to_all
-is gloo's own below 32 MB per rank (all these cases), and so is the exchange of a large
-reduce-scatter (then summed locally). Below 256 KB per rank (the (4, 3) cases) all_gather is
-gloo's own and a reduce-scatter an all_reduce and a slice; from 256 KB (the "256 KB" cases)
-all_gather runs as concurrent point-to-point pairs (one send and one receive per peer: "send 1,
-recv 1" on 2 ranks). A metadata exchange is an ``_allgather_base_`` of int64.
+is gloo's own below 32 MB per rank (all these cases), and so is the exchange of a
+reduce-scatter at every size (then summed locally). Below 256 KB per rank (the (4, 3) cases)
+all_gather is gloo's own; from 256 KB (the "256 KB" cases) it runs as concurrent
+point-to-point pairs (one send and one receive per peer: "send 1, recv 1" on 2 ranks). A
+metadata exchange is an ``_allgather_base_`` of int64.
 
 Not counted: the dead-peer watch's sentinel, a receive posted once per peer for the life of the
 group when some wait first lasts a tick (``distgrad._wait``). It is made before counting, so
@@ -33,7 +33,7 @@ from tests.collectives.reference import warm_up
 PAIR = {"send": 1, "recv_": 1}  # one exchange by point-to-point pairs, on 2 ranks
 A2A = {"alltoall_base_": 1}  # gloo's all_to_all
 AG = {"_allgather_base_": 1}  # gloo's all_gather (a small one)
-RS = {"allreduce_": 1}  # a small reduce-scatter on gloo: an all_reduce, then a slice
+RS = A2A  # a reduce-scatter on gloo, at every size: gloo's all_to_all, then a local sum
 BIG_ROWS = 8192  # (8192, 4) float64: 256 KB per rank, where all_gather goes back to pairs
 
 
@@ -80,9 +80,9 @@ EXPECTED: dict[str, tuple[dict[str, int], dict[str, int]]] = {  # (forward, back
     "reduce_scatter, 256 KB": (A2A, PAIR),
     "all_reduce sum": ({"allreduce_": 1}, {"allreduce_": 1}),
     "all_reduce avg": ({"allreduce_": 1}, {"allreduce_": 1}),
-    # an all_to_all and an all_gather; an all_to_all and a reduce-scatter
-    "all_reduce max": ({**A2A, **AG}, {**A2A, **RS}),
-    "all_reduce prod": ({**A2A, **AG}, {**A2A, **RS}),
+    # an all_to_all and an all_gather; an all_to_all and a reduce-scatter (an all_to_all too)
+    "all_reduce max": ({**A2A, **AG}, {"alltoall_base_": 2}),
+    "all_reduce prod": ({**A2A, **AG}, {"alltoall_base_": 2}),
     "all_to_all even": (A2A, A2A),
     "all_to_all, sizes given": (A2A, A2A),
     "all_to_all, output sizes learned": ({"_allgather_base_": 1, **A2A}, A2A),

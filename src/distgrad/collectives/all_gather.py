@@ -131,9 +131,9 @@ def all_gather(
 
     Communication: forward 1 all_gather of x (padded to the largest rank's size when sizes
     differ, on NCCL), plus the size exchange when ``sizes`` is not given; backward 1 all_to_all
-    moving (N-1)/N of the gradient, then a local sum (nothing with ``objective="replicated"``).
-    On gloo, with equal sizes under 256 KB per rank, the backward is an all_reduce and a slice
-    instead: fewer round trips (docs/semantics.md, "How the data moves on gloo").
+    moving (N-1)/N of the gradient, then a local sum (NCCL with equal sizes: its
+    reduce-scatter; nothing with ``objective="replicated"``). Which exchange runs on gloo at
+    each size: docs/semantics.md, "How the data moves on gloo".
 
     ``async_op=True``: return at once an :class:`~distgrad.AsyncTensor`, which waits for the
     data on first use; the backward's exchange is started the same way (docs/semantics.md,
@@ -172,9 +172,9 @@ def reduce_scatter(
       among ties, as ``torch.amax``/``torch.amin`` do on the stacked inputs.
 
     Communication: forward 1 all_to_all moving (N-1)/N of x, then a local reduction (sum and
-    avg on gloo with equal slices under 256 KB: an all_reduce and a slice, fewer round trips);
-    backward 1 all_gather of the gradient (sum, avg) or 1 all_to_all of the same size as the
-    forward's (prod, max, min). No metadata once the first calls on the group are checked.
+    avg on NCCL with equal slices: its reduce-scatter); backward 1 all_gather of the gradient
+    (sum, avg) or 1 all_to_all of the same size as the forward's (prod, max, min). No metadata
+    once the first calls on the group are checked.
 
     ``async_op=True``: return at once an :class:`~distgrad.AsyncTensor`, which waits for the
     data on first use; the backward's exchange is started the same way (docs/semantics.md,
