@@ -282,7 +282,7 @@ def _staged_on_gloo(exchange: _StepsOf) -> _StepsOf:
 
     @functools.wraps(exchange)
     def staged(x: Tensor, *args: Any) -> Steps[Any]:
-        if not _on_host(args[-1], x.device):
+        if x.is_cpu or not _on_host(args[-1], x.device):
             return exchange(x, *args)  # the op's own steps: no generator around them
         return _through_host(exchange(x.cpu(), *args), x.device)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -43,16 +43,17 @@ class Group:
     call: int = -1
     # The global rank of each group rank (empty when alone): read once, not per message.
     members: tuple[int, ...] = ()
+    # Whether the backend is NCCL: read several times per exchange, so made once here.
+    is_nccl: bool = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "is_nccl", "nccl" in self.backend)
 
     def global_rank(self, group_rank: int) -> int:
         """The global rank of the process with rank ``group_rank`` in this group."""
         if self.pg is None:
             return group_rank
         return self.members[group_rank]
-
-    @property
-    def is_nccl(self) -> bool:
-        return "nccl" in self.backend
 
 
 _ALONE = Group(pg=None, rank=0, size=1)

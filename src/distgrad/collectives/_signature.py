@@ -29,7 +29,7 @@ that rank. Inside ``torch.compile`` nothing is exchanged or counted.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -183,7 +183,8 @@ class Signature:
             g,
             desc,
             x,
-            [f.code(values[f.name], args) for f in self.fields],
+            # The handshake's codes, made only when this call is checked across ranks.
+            lambda: [f.code(values[f.name], args) for f in self.fields],
             {f.name: values[f.name] for f in typed_lists},
             problem,
             dim=args.dim,
@@ -201,7 +202,7 @@ class Signature:
         group: Group,
         desc: str,
         x: object,
-        codes: Sequence[int] = (),
+        codes: Sequence[int] | Callable[[], Sequence[int]] = (),
         lists: Mapping[str, Sequence[int] | None] | None = None,
         problem: str | None = None,
         *,
@@ -211,7 +212,9 @@ class Signature:
         """Check this call; return the group (marked with the call in debug mode) and, when the
         call exchanged metadata, every rank's call (sizes come from there when not known).
 
-        ``problem`` is this rank's own complaint about its arguments, if any; ``sizes_known``
+        ``codes``: the fields' handshake codes, or a function that makes them (called only when
+        the call is checked across ranks). ``problem`` is this rank's own complaint about its
+        arguments, if any; ``sizes_known``
         says whether this rank can compute the output shape without its peers (if not, the
         call exchanges metadata; inside torch.compile it returns no calls when the signature
         ``assumes_alike``, and the op calls :func:`assume_alike`).
@@ -234,7 +237,7 @@ class Signature:
                 raise CollectiveArgumentError(f"{desc} on rank {group.rank}: {problem}")
             return group, None
         tensor = x if isinstance(x, Tensor) else None
-        codes = [*codes, int(sizes_known)]
+        codes = [*(codes() if callable(codes) else codes), int(sizes_known)]
         carried = [lists.get(_name(field)) for field in self.lists]
         calls = exchange(self.op, desc, group, tensor, codes, carried, problem, call)
         self._check_calls(desc, group, calls, dim)
