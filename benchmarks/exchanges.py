@@ -48,6 +48,9 @@ SIZES = {"4 KB": 8, "32 KB": 64, "256 KB": 512}
 
 Candidate = Callable[[], torch.Tensor]
 
+# distgrad's pairs exchange (what its large all_gather runs), callable on its own.
+_BY_PAIRS = _comm._ExchangeOp(_comm._exchange_by_pairs)
+
 
 def _reduce_scatter(x: torch.Tensor, group: Group) -> dict[str, Candidate]:
     n, rows = group.size, x.shape[0] // group.size
@@ -84,7 +87,7 @@ def _all_gather(x: torch.Tensor, group: Group) -> dict[str, Candidate]:
 
     def pairs() -> torch.Tensor:
         out = x.new_empty((rows * n, *x.shape[1:]))
-        _comm._ExchangeOp(_comm._exchange_by_pairs)([x] * n, list(out.split(rows)), group)
+        _BY_PAIRS([x] * n, list(out.split(rows)), group)
         return out
 
     def all_to_all() -> torch.Tensor:

@@ -214,10 +214,9 @@ class Signature:
 
         ``codes``: the fields' handshake codes, or a function that makes them (called only when
         the call is checked across ranks). ``problem`` is this rank's own complaint about its
-        arguments, if any; ``sizes_known``
-        says whether this rank can compute the output shape without its peers (if not, the
-        call exchanges metadata; inside torch.compile it returns no calls when the signature
-        ``assumes_alike``, and the op calls :func:`assume_alike`).
+        arguments, if any; ``sizes_known`` says whether this rank can compute the output shape
+        without its peers (if not, the call exchanges metadata; inside torch.compile it returns
+        no calls when the signature ``assumes_alike``, and the op calls :func:`assume_alike`).
         """
         lists = lists or {}
         problem = problem or _tensor_problem(x, self.tensor_on)
