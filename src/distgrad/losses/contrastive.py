@@ -182,8 +182,14 @@ def clip_loss(
     arguments sit where open_clip's ``ClipLoss()(image_features, text_features, logit_scale)``
     has them; ``normalize=False`` takes features the model already L2-normalised as given.
 
-    Communication: forward 2 all_gathers of [B_l, D] and a scalar all_reduce; backward 2
-    reduce-scatters of [B, D]. Memory: two [B_l, B] logit blocks.
+    One logits product per rank: ``S_r = s X_r Y^T`` ([B_l, B]) holds this rank's images
+    against every text. Its rows give the images' logsumexps; its columns, combined over the
+    ranks, give the texts' (``_column_logsumexp``), so only the texts are gathered.
+
+    Communication: forward 1 all_gather of the texts [B_l, D], 1 all_gather of the partial
+    column logsumexps [B] and a scalar all_reduce; backward 1 reduce-scatter of [B, D] and 1
+    of [W, B]. Memory: one [B_l, B] logits block (saved for backward). Compute: 3 matmuls of
+    B_l x D x B (one forward, two backward).
     """
     scale = {"logit_scale": logit_scale}
     g, rows = _check("clip_loss", image, text, "image and text", scale, group, sizes, block_size)
@@ -192,12 +198,25 @@ def clip_loss(
         s = _scalar(logit_scale, x)
         if block_size is not None:
             return _ring_clip(x, y, s, g, rows, block_size)
-        all_x, all_y = apply_all_gather(x, g, rows, 0), apply_all_gather(y, g, rows, 0)
+        all_y = apply_all_gather(y, g, rows, 0)  # [B, D]: only the texts travel
         offset, total = sum(rows[: g.rank]), sum(rows)
-        labels = torch.arange(len(x), device=x.device) + offset
-        per_image = F.cross_entropy(s * x @ all_y.T, labels, reduction="sum")
-        per_text = F.cross_entropy(s * y @ all_x.T, labels, reduction="sum")
-        return global_mean((per_image + per_text) / 2, total, g)
+        logits = (s * x) @ all_y.T  # [B_l, B]; pair i at column offset + i
+        per_image = logits.logsumexp(1)  # [B_l]: each image's softmax over every text
+        per_text = _column_logsumexp(logits, g)[offset : offset + len(x)]  # [B_l]: own texts'
+        positive = s * (x * y).sum(1)  # [B_l]: pair i's logit, in both directions
+        local = (per_image.sum() + per_text.sum()) / 2 - positive.sum()
+        return global_mean(local, total, g)
+
+
+def _column_logsumexp(logits: Tensor, g: Group) -> Tensor:
+    """[B]: the logsumexp of every column of the global ``[B, B]`` logits, from this rank's
+    ``[B_l, B]`` rows: each rank's partial logsumexp over its own rows, gathered ([W, B])
+    and combined. Differentiable (the gather's backward is a reduce-scatter), so each rank's
+    rows get the gradient of every rank's column terms, and twice differentiable."""
+    partial = logits.logsumexp(0)  # [B]; -inf on a rank with no rows
+    if g.size == 1:
+        return partial
+    return apply_all_gather(partial[None], g, (1,) * g.size, 0).logsumexp(0)
 
 
 def nt_xent(
@@ -260,7 +279,8 @@ def siglip_loss(
     keywords ``scale=`` and ``bias=`` of earlier releases still work and warn (FutureWarning).
 
     Communication: forward 1 all_gather of the texts [B_l, D] and a scalar all_reduce;
-    backward 1 reduce-scatter. Memory: [B_l, B].
+    backward 1 reduce-scatter. Memory: one [B_l, B] logits block. Compute: 3 matmuls of
+    B_l x D x B.
     """
     scale = {"logit_scale": logit_scale}
     g, rows = _check("siglip_loss", image, text, "image and text", scale, group, sizes, block_size)
@@ -269,14 +289,14 @@ def siglip_loss(
         s, b = _scalar(logit_scale, x), _scalar(logit_bias, x)
         if block_size is not None:
             return _ring_siglip(x, y, s, b, g, rows, block_size)
-        all_y = apply_all_gather(y, g, rows, 0)
-        offset, total = sum(rows[: g.rank]), sum(rows)
-        logits = s * x @ all_y.T + b  # [B_l, B]
-        signs = -torch.ones_like(logits)
-        # The positives (i, offset + i), a diagonal: filled in place, with no index tensor and
-        # no scalar copied from the host (a host synchronisation on CUDA).
-        signs.diagonal(offset=offset).fill_(1.0)
-        return global_mean(-F.logsigmoid(signs * logits).sum(), total, g)
+        all_y = apply_all_gather(y, g, rows, 0)  # [B, D]
+        logits = torch.addmm(b, s * x, all_y.T)  # [B_l, B]
+        # Every pair counted as a negative, then each positive corrected, as the ring does:
+        # -log sigmoid(l) = softplus(l) - l. No sign matrix, and softplus saves only the
+        # logits for backward (-logsigmoid(signs * logits) saved the signs, their product and
+        # a buffer: three [B_l, B] tensors).
+        positive = s * (x * y).sum(1) + b  # [B_l]: l_ii, from the local texts
+        return global_mean(F.softplus(logits).sum() - positive.sum(), sum(rows), g)
 
 
 # The memory-efficient paths: the same losses through distgrad.losses._blockwise, which never holds
