@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from torch._C._distributed_rpc import _is_current_rpc_agent_set
@@ -14,6 +15,7 @@ __all__ = ["init_rpc", "shutdown"]
 
 _DEFAULT_TIMEOUT_S = 60.0
 _TENSORPIPE = torch_rpc.BackendType.TENSORPIPE  # type: ignore[attr-defined]
+_TORCH_OWN_BACKEND_WARNING = r"You are using a Backend .* as a ProcessGroup"
 
 
 def init_rpc(
@@ -52,13 +54,18 @@ def init_rpc(
     _identity.forget()
     _transport.forget()
     _identity.set_rpc_timeout(rpc_backend_options.rpc_timeout)
-    torch_rpc.init_rpc(  # type: ignore[no-untyped-call]
-        name,
-        backend=_TENSORPIPE,
-        rank=rank,
-        world_size=world_size,
-        rpc_backend_options=rpc_backend_options,
-    )
+    with warnings.catch_warnings():
+        # torch's TensorPipe setup calls all_gather_object on a ProcessGroupGloo backend it
+        # made itself, and torch warns about that use of its own (torch 2.13: "You are using a
+        # Backend ... as a ProcessGroup. This usage is deprecated"): nothing a caller can change.
+        warnings.filterwarnings("ignore", _TORCH_OWN_BACKEND_WARNING, UserWarning)
+        torch_rpc.init_rpc(  # type: ignore[no-untyped-call]
+            name,
+            backend=_TENSORPIPE,
+            rank=rank,
+            world_size=world_size,
+            rpc_backend_options=rpc_backend_options,
+        )
     _transport.install_guard()
     _liveness.ensure_started()
 
