@@ -17,7 +17,7 @@ from distgrad import _ops
 from distgrad._group import Group
 from distgrad.collectives._signature import Signature, assume_alike, sizes_from
 
-__all__ = ["batch_sizes", "global_mean"]
+__all__ = ["batch_sizes", "global_mean", "global_mean_of"]
 
 # One signature per loss: the ranks' rows may differ, the embedding dim may not; ``sizes``
 # (every rank's rows), when given, is the same list on every rank.
@@ -68,3 +68,10 @@ def global_mean(local_sum: Tensor, count: int, group: Group) -> Tensor:
     share = local_sum * (group.size / count)
     total = _ops.all_reduce(local_sum.detach().reshape(1), "sum", group).reshape(())
     return share + (total / count - share).detach()
+
+
+def global_mean_of(local_sum: Tensor, global_sum: Tensor, count: int, group: Group) -> Tensor:
+    """``global_mean`` where the loss already knows the global sum (detached, the same on
+    every rank): no all_reduce."""
+    share = local_sum * (group.size / count)
+    return share + (global_sum / count - share).detach()

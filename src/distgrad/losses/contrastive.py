@@ -17,14 +17,17 @@ inside ``torch.compile`` take them to be alike and check that on the device.
 Precision: the loss computes in float32 at least, with autocast off, whatever the inputs'
 dtype (``_unit`` says why); the gradients flow back in the inputs' dtype.
 
-``block_size``: None (default) takes the dense path above. An int takes the memory-efficient
-path (``_blockwise``): the keys go round the ring of ranks instead of being gathered, and no rank
-ever holds more than ``[anchors, block_size]`` logits, forward or backward (the backward
-recomputes them). Same value and gradients; the dense path is faster for small batches.
-Communication of the ring path: forward W-1 point-to-point shifts of [max B_l, D] per
-gathered modality, backward W-1 shifts of [max B_l, 2D] (keys with their gradient
-accumulators) and one of [max B_l, D]; compute 4/3 of the dense path's matmuls, except
-``clip_loss``, whose two directions share one pass (2/3 of the dense path's matmuls).
+``block_size``: None (default) takes the dense path above; ``"auto"`` takes it unless its
+logits would pass ``AUTO_DENSE_BYTES`` per rank (``choose_block``). An int takes the
+memory-efficient path (``_blockwise``): the keys go round a ring of ranks instead of being
+gathered, and no rank ever holds more than ``[anchors, block_size]`` logits, forward or
+backward (the backward recomputes them). Same value and gradients; not twice differentiable.
+Communication of the ring path: ``info_nce``, ``nt_xent`` and ``siglip_loss`` a
+bidirectional ring, forward W // 2 exchanges of one or two [max B_l, D] blocks (one to each
+neighbour), backward W // 2 of [max B_l, 2D] (keys with their gradient accumulators) and one
+bringing the accumulators home; ``clip_loss`` one direction, W shifts of [max B_l, D + 1]
+forward, W - 1 of [max B_l, 2D + 2] and one of [max B_l, D] backward. Compute: 4 matmuls of
+B_l x D x B where the dense path does 3 (CLIP too: both its directions share one pass).
 """
 
 from __future__ import annotations
@@ -32,21 +35,25 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.autograd.function import FunctionCtx
 
 from distgrad._group import Group, ProcessGroup, resolve
 from distgrad.collectives._signature import checks_this_call
 from distgrad.collectives.all_gather import apply_all_gather
 from distgrad.losses._blockwise import ring_clip, ring_reduce
 from distgrad.losses._compat import renamed
-from distgrad.losses._global import batch_sizes, global_mean
+from distgrad.losses._global import batch_sizes, global_mean, global_mean_of
 
-__all__ = ["clip_loss", "info_nce", "nt_xent", "siglip_loss"]
+__all__ = ["BlockSize", "choose_block", "clip_loss", "info_nce", "nt_xent", "siglip_loss"]
 
 Scalar = float | Tensor
+#: ``block_size``: None (dense), ``"auto"`` (dense unless its logits are large) or the ring's block
+BlockSize = int | Literal["auto"] | None
 
 
 def _pair_problem(a: Tensor, b: Tensor, names: str) -> str | None:
@@ -73,10 +80,36 @@ def _positive_problem(name: str, value: Scalar, checked: bool) -> str | None:
     return None
 
 
-def _block_problem(block_size: int | None) -> str | None:
-    if block_size is None or (isinstance(block_size, int) and block_size >= 1):
+def _block_problem(block_size: BlockSize) -> str | None:
+    if block_size is None or block_size == "auto":
         return None
-    return f"block_size must be None (dense) or a positive int, got {block_size!r}"
+    if isinstance(block_size, int) and not isinstance(block_size, bool) and block_size >= 1:
+        return None
+    return f"block_size must be None (dense), 'auto' or a positive int, got {block_size!r}"
+
+
+# block_size="auto": the dense path unless its logits would pass this many bytes per rank.
+# Why memory alone decides: the ring does one more B_l x D x B matmul than the dense path (4
+# against 3) and as many elementwise passes over its chunks as the dense path makes over its
+# logits, so it is not faster where the dense logits fit (measured on 2 and 4 CPU ranks, dim
+# 512, B_local 1024 to 8192: benchmarks/results/losses.md); it holds [B_l, block] instead.
+AUTO_DENSE_BYTES = 2 * 2**30
+# The ring's block under "auto": CPU 1024 (the benchmarks' block), CUDA 4096 (wider matmuls;
+# the block of the H100 timings in benchmarks/results/gpu_check.md).
+AUTO_BLOCK = {"cpu": 1024, "cuda": 4096}
+
+
+def choose_block(
+    block_size: BlockSize, rows: Sequence[int], x: Tensor, factor: int = 1
+) -> int | None:
+    """The block size to use: ``block_size`` itself, or for ``"auto"`` the ring's block when
+    the dense path's float32 logits ``[factor * max B_l, factor * B]`` (NT-Xent: factor 2)
+    would pass ``AUTO_DENSE_BYTES``, else None (dense). Depends only on what every rank
+    knows alike (the row counts and the device type), so every rank picks the same path."""
+    if block_size != "auto":
+        return block_size
+    logits = factor * max(rows) * factor * sum(rows) * 4
+    return AUTO_BLOCK.get(x.device.type, 4096) if logits > AUTO_DENSE_BYTES else None
 
 
 def _check(
@@ -87,7 +120,7 @@ def _check(
     positive: dict[str, Scalar],
     group: ProcessGroup | None,
     sizes: Sequence[int] | None,
-    block_size: int | None,
+    block_size: BlockSize,
 ) -> tuple[Group, tuple[int, ...]]:
     """Check a contrastive loss's arguments (across ranks where calls are checked) and return
     the group and every rank's row count."""
@@ -138,7 +171,7 @@ def info_nce(
     normalize: bool = True,
     group: ProcessGroup | None = None,
     sizes: Sequence[int] | None = None,
-    block_size: int | None = None,
+    block_size: BlockSize = None,
 ) -> Tensor:
     """InfoNCE: each query's positive is the key of the same global row; negatives are all other
     keys of the global batch.
@@ -156,8 +189,9 @@ def info_nce(
     with _float32(key):
         q, k = _unit(query, normalize), _unit(key, normalize)
         t = _scalar(temperature, q)
-        if block_size is not None:
-            return _ring_info_nce(q, k, 1 / t, g, rows, block_size)
+        block = choose_block(block_size, rows, q)
+        if block is not None:
+            return _ring_info_nce(q, k, 1 / t, g, rows, block)
         keys = apply_all_gather(k, g, rows, 0)  # [B, D]
         offset, total = sum(rows[: g.rank]), sum(rows)
         logits = q @ keys.T / t  # [B_l, B]; positives at column offset + i
@@ -173,7 +207,7 @@ def clip_loss(
     normalize: bool = True,
     group: ProcessGroup | None = None,
     sizes: Sequence[int] | None = None,
-    block_size: int | None = None,
+    block_size: BlockSize = None,
 ) -> Tensor:
     """CLIP's symmetric InfoNCE: images against all texts and texts against all images.
 
@@ -186,37 +220,74 @@ def clip_loss(
     against every text. Its rows give the images' logsumexps; its columns, combined over the
     ranks, give the texts' (``_column_logsumexp``), so only the texts are gathered.
 
-    Communication: forward 1 all_gather of the texts [B_l, D], 1 all_gather of the partial
-    column logsumexps [B] and a scalar all_reduce; backward 1 reduce-scatter of [B, D] and 1
-    of [W, B]. Memory: one [B_l, B] logits block (saved for backward). Compute: 3 matmuls of
-    B_l x D x B (one forward, two backward).
+    Communication: forward 1 all_gather of the texts [B_l, D] and 1 of [B + 1] (each rank's
+    column logsumexps over its images, and its part of the value: no scalar all_reduce);
+    backward 1 reduce-scatter of [B, D] and 1 of [W, B + 1]. Memory: one [B_l, B] logits
+    block (saved for backward). Compute: 3 matmuls of B_l x D x B (one forward, two backward).
     """
     scale = {"logit_scale": logit_scale}
     g, rows = _check("clip_loss", image, text, "image and text", scale, group, sizes, block_size)
     with _float32(text):
         x, y = _unit(image, normalize), _unit(text, normalize)
         s = _scalar(logit_scale, x)
-        if block_size is not None:
-            return _ring_clip(x, y, s, g, rows, block_size)
-        all_y = apply_all_gather(y, g, rows, 0)  # [B, D]: only the texts travel
+        block = choose_block(block_size, rows, x)
+        if block is not None:
+            return _ring_clip(x, y, s, g, rows, block)
+        all_y = y if g.size == 1 else apply_all_gather(y, g, rows, 0)  # [B, D]: the texts
         offset, total = sum(rows[: g.rank]), sum(rows)
         logits = (s * x) @ all_y.T  # [B_l, B]; pair i at column offset + i
-        per_image = logits.logsumexp(1)  # [B_l]: each image's softmax over every text
-        per_text = _column_logsumexp(logits, g)[offset : offset + len(x)]  # [B_l]: own texts'
-        positive = s * (x * y).sum(1)  # [B_l]: pair i's logit, in both directions
-        local = (per_image.sum() + per_text.sum()) / 2 - positive.sum()
-        return global_mean(local, total, g)
+        # pair i's logit, from the gathered texts: a view, so nothing more is saved for backward
+        positive = s * (x * all_y[offset : offset + len(x)]).sum(1)  # [B_l]
+        per_image, partial = _RowsAndColumns.apply(logits)  # type: ignore[no-untyped-call]
+        rest = per_image.sum() / 2 - positive.sum()  # this rank's terms but its texts'
+        col, rests = _column_logsumexp(partial, rest, g)  # logsumexps
+        local = rest + col[offset : offset + len(x)].sum() / 2
+        return global_mean_of(local, rests + col.detach().sum() / 2, total, g)
 
 
-def _column_logsumexp(logits: Tensor, g: Group) -> Tensor:
+class _RowsAndColumns(torch.autograd.Function):
+    """The logsumexp of every row ([n]) and every column ([m]) of ``logits`` [n, m].
+
+    One node instead of two ``logsumexp`` calls, for a backward that makes two [n, m]
+    temporaries instead of seven: ``exp(l - row) * g_row + exp(l - col) * g_col`` in place.
+    (Measured on one CPU thread, [2048, 4096] logits of dim 512: forward+backward of CLIP's
+    dense loss 1.49 s against 2.16 s with two ``logsumexp`` calls; its 3 matmuls alone take
+    0.94 s.) Under ``create_graph`` the backward is the same formula out of place, so the
+    loss stays twice differentiable.
+    """
+
+    @staticmethod
+    def forward(ctx: FunctionCtx, logits: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]
+        row, col = logits.logsumexp(1), logits.logsumexp(0)  # col: -inf where n = 0
+        ctx.save_for_backward(logits, row, col)
+        return row, col
+
+    @staticmethod
+    def backward(ctx: Any, g_row: Tensor, g_col: Tensor) -> Tensor:
+        saved: tuple[Tensor, ...] = ctx.saved_tensors
+        logits, row, col = saved
+        if torch.is_grad_enabled():  # create_graph: differentiable ops only
+            by_row = (logits - row[:, None]).exp() * g_row[:, None]
+            return by_row + (logits - col[None, :]).exp() * g_col[None, :]
+        grad = torch.sub(logits, row[:, None]).exp_().mul_(g_row[:, None])
+        by_col = torch.sub(logits, col[None, :]).exp_()
+        return grad.addcmul_(by_col, g_col[None, :])
+
+
+def _column_logsumexp(partial: Tensor, rest: Tensor, g: Group) -> tuple[Tensor, Tensor]:
     """[B]: the logsumexp of every column of the global ``[B, B]`` logits, from this rank's
-    ``[B_l, B]`` rows: each rank's partial logsumexp over its own rows, gathered ([W, B])
-    and combined. Differentiable (the gather's backward is a reduce-scatter), so each rank's
-    rows get the gradient of every rank's column terms, and twice differentiable."""
-    partial = logits.logsumexp(0)  # [B]; -inf on a rank with no rows
+    ``partial`` logsumexps of its ``[B_l, B]`` rows' columns: every rank's, gathered
+    ([W, B]) and combined. Differentiable (the gather's backward is a reduce-scatter), so
+    each rank's rows get the gradient of every rank's column terms, and twice differentiable.
+
+    The same message carries each rank's ``rest`` (its terms of the loss other than its texts'
+    logsumexps, detached): their sum, also returned, and the columns give the global value
+    with no all_reduce of its own."""
     if g.size == 1:
-        return partial
-    return apply_all_gather(partial[None], g, (1,) * g.size, 0).logsumexp(0)
+        return partial, rest.detach()
+    sent = torch.cat([partial, rest.detach().reshape(1)])[None]  # [1, B + 1]
+    gathered = apply_all_gather(sent, g, (1,) * g.size, 0)  # [W, B + 1]
+    return gathered[:, :-1].logsumexp(0), gathered[:, -1].detach().sum()
 
 
 def nt_xent(
@@ -227,7 +298,7 @@ def nt_xent(
     normalize: bool = True,
     group: ProcessGroup | None = None,
     sizes: Sequence[int] | None = None,
-    block_size: int | None = None,
+    block_size: BlockSize = None,
 ) -> Tensor:
     """SimCLR's NT-Xent: 2B anchors (both views); each anchor's positive is the other view of
     its sample; its negatives are the other 2B - 2 embeddings of the global batch.
@@ -243,8 +314,9 @@ def nt_xent(
     with _float32(view2):
         z1, z2 = _unit(view1, normalize), _unit(view2, normalize)
         t = _scalar(temperature, z1)
-        if block_size is not None:
-            return _ring_nt_xent(z1, z2, 1 / t, g, rows, block_size)
+        block = choose_block(block_size, rows, z1, factor=2)
+        if block is not None:
+            return _ring_nt_xent(z1, z2, 1 / t, g, rows, block)
         first, second = apply_all_gather(z1, g, rows, 0), apply_all_gather(z2, g, rows, 0)
         offset, total = sum(rows[: g.rank]), sum(rows)  # first, second: [B, D] each
         candidates = torch.cat([first, second])  # [2B, D]: every first view, then every second
@@ -267,7 +339,7 @@ def siglip_loss(
     normalize: bool = True,
     group: ProcessGroup | None = None,
     sizes: Sequence[int] | None = None,
-    block_size: int | None = None,
+    block_size: BlockSize = None,
 ) -> Tensor:
     """SigLIP: a binary decision for every (image, text) pair of the global batch.
 
@@ -287,8 +359,9 @@ def siglip_loss(
     with _float32(text):
         x, y = _unit(image, normalize), _unit(text, normalize)
         s, b = _scalar(logit_scale, x), _scalar(logit_bias, x)
-        if block_size is not None:
-            return _ring_siglip(x, y, s, b, g, rows, block_size)
+        block = choose_block(block_size, rows, x)
+        if block is not None:
+            return _ring_siglip(x, y, s, b, g, rows, block)
         all_y = apply_all_gather(y, g, rows, 0)  # [B, D]
         logits = torch.addmm(b, s * x, all_y.T)  # [B_l, B]
         # Every pair counted as a negative, then each positive corrected, as the ring does:
