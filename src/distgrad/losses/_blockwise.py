@@ -10,21 +10,30 @@ For local anchors ``a`` [n, D] and the keys of every rank ``k_r`` [m_r, D], with
   keys is left out, for NT-Xent where the anchors are the keys);
 * ``kind="softplus"``: ``sum_j softplus(l_ij + bias)`` (SigLIP with every pair a negative).
 
-Algorithm (the keys travel, the anchors stay): the key blocks go round a ring; after step t
-this rank holds rank (rank - t) mod W's keys, and folds them in ``b`` columns at a time
-(``logaddexp`` of chunk logsumexps, or a running sum). The backward recomputes each chunk's
-logits and sends each key block round the ring again *together with its gradient
-accumulator*: every rank adds its anchors' contribution, and a final shift brings the
-accumulator home to the rank that owns the keys.
+Algorithm (the keys travel, the anchors stay): a bidirectional ring, as open_clip's
+SigLIP ``bidir``. Two copies of every rank's keys travel, one towards rank + 1 and one
+towards rank - 1; after step t this rank holds the keys of ranks (rank - t) and (rank + t)
+mod W, so W // 2 steps visit every rank once (the copy going left stops after (W - 1) // 2
+steps, where the two would meet). The keys held are folded in ``b`` columns at a time
+(``logaddexp`` of chunk logsumexps, or a running sum), each step's shift started first. The
+backward recomputes each chunk's logits and sends each copy of the keys round again
+*together with its gradient accumulator*: every rank adds its anchors' contribution, and after
+the last step each accumulator goes straight back to the rank that owns the keys.
 
 Gradient (the objective is the sum over ranks of what each rank back-propagates): the
 gradient of the keys is the sum over every rank's anchors, as for ``all_gather``; ``a``,
 ``scale`` and ``bias`` get this rank's part only.
 
-Communication: forward W-1 sends and receives of [M, D] (each overlapped with the previous
-block's compute); backward W-1 of [M, 2D] and 1 of [M, D]. Compute: forward one [n, m_r]
+Communication: forward W // 2 exchanges, each sending (and receiving) one or two [M, D]
+blocks, one to each neighbour (each overlapped with the blocks held being computed);
+backward W // 2 exchanges of one or two [M, 2D] blocks and one of one or two [M, D] (the
+accumulators going home). Against one direction (W - 1 shifts forward, W backward) the same
+bytes cross in half the steps: each step waits for the slower of a pair of neighbours, and on
+an oversubscribed machine every step can cost a time slice. Compute: forward one [n, m_r]
 matmul per rank, backward three (recompute, anchor gradient, key gradient). Memory: the
-saved inputs, two key blocks, and at most two [n, b] logit chunks, never [n, sum m_r].
+saved inputs, two or three key blocks with their accumulators, and at most two [n, b]
+logit chunks, never [n, sum m_r]. ``clip_loss``'s ring (:func:`ring_clip`) stays
+one-directional: its texts' column logsumexps travel with the blocks.
 Not twice differentiable.
 """
 
@@ -60,6 +69,20 @@ class _Plan:
         """The rank whose keys this rank holds after ``step`` shifts."""
         return (self.group.rank - step) % self.group.size
 
+    @property
+    def right_steps(self) -> int:
+        """Shifts of the copies that travel to rank + 1 (``ring_reduce``'s bidirectional ring)."""
+        return self.group.size // 2
+
+    @property
+    def left_steps(self) -> int:
+        """Shifts of the copies that travel to rank - 1: together, every other rank once."""
+        return (self.group.size - 1) // 2
+
+    def owner(self, side: str, step: int) -> int:
+        """The rank whose keys the copy travelling to ``side`` holds after ``step`` shifts."""
+        return (self.group.rank + (-step if side == "right" else step)) % self.group.size
+
     def args(self) -> tuple[list[int], int, str, bool, str]:
         """The plan as a custom op's arguments (the group by its registered name)."""
         return list(self.rows), self.block, self.kind, self.mask_self, self.group.name
@@ -75,6 +98,25 @@ def _shift(x: Tensor, g: Group) -> tuple[Tensor, _comm.Exchange]:
     out = torch.empty_like(x)
     after, before = (g.rank + 1) % g.size, (g.rank - 1) % g.size
     return out, _comm.start_exchange([(x, after)], [(out, before)], g)
+
+
+def _travel(
+    copies: dict[str, Tensor], step: int, plan: _Plan
+) -> tuple[dict[str, Tensor], _comm.Exchange]:
+    """Start the ``step``-th shift of the travelling copies, both directions at once: the
+    ``"right"`` copy to rank + 1 (a new one arrives from rank - 1), the ``"left"`` copy to
+    rank - 1 while it still has steps to go. Returns the arriving copies and the exchange."""
+    g = plan.group
+    after, before = (g.rank + 1) % g.size, (g.rank - 1) % g.size
+    sends, recvs, landed = [], [], {}
+    for side, buf in copies.items():
+        if side == "left" and step > plan.left_steps:
+            continue
+        to, source = (after, before) if side == "right" else (before, after)
+        landed[side] = torch.empty_like(buf)
+        sends.append((buf, to))
+        recvs.append((landed[side], source))
+    return landed, _comm.start_exchange(sends, recvs, g)
 
 
 def _chunk_logits(a: Tensor, k: Tensor, scale: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
@@ -104,51 +146,92 @@ def _forward_block(a: Tensor, k: Tensor, s: Tensor, bias: Tensor, plan: _Plan, o
 
 
 def _reduce_forward(a: Tensor, k: Tensor, scale: Tensor, bias: Tensor, plan: _Plan) -> Tensor:
-    g, width = plan.group, max(plan.rows)
-    cur = F.pad(k, (0, 0, 0, width - k.shape[0]))  # [M, D]
+    """The bidirectional ring: the own keys at step 0, then at step t the keys of rank - t
+    (the copy travelling right) and of rank + t (travelling left), W // 2 steps in all. Each
+    step's shift is started before the keys held are folded in."""
+    width = max(plan.rows)
+    own = F.pad(k, (0, 0, 0, width - k.shape[0]))  # [M, D]
+    copies = {"right": own, "left": own}
+    held = [(own, plan.group.rank)]
     out = a.new_full((a.shape[0],), float("-inf") if plan.kind == "lse" else 0.0)
-    for step in range(g.size):
-        nxt, pending = _shift(cur, g) if step < g.size - 1 else (cur, None)
-        part = _forward_block(a, cur[: plan.rows[plan.source(step)]], scale, bias, plan, step == 0)
-        out = torch.logaddexp(out, part) if plan.kind == "lse" else out + part
+    for step in range(plan.right_steps + 1):
+        landed, pending = _travel(copies, step + 1, plan) if step < plan.right_steps else ({}, None)
+        for keys, owner in held:
+            part = _forward_block(a, keys[: plan.rows[owner]], scale, bias, plan, step == 0)
+            out = torch.logaddexp(out, part) if plan.kind == "lse" else out + part
         if pending is not None:
             pending.wait()
-        cur = nxt
+        copies.update(landed)
+        held = [(buf, plan.owner(side, step + 1)) for side, buf in landed.items()]
     return out
+
+
+def _backward_block(
+    a: Tensor,
+    held: Tensor,
+    rows: int,
+    scale: Tensor,
+    bias: Tensor,
+    out: Tensor,
+    grad: Tensor,
+    plan: _Plan,
+    own: bool,
+    sums: tuple[Tensor, Tensor, Tensor],
+) -> None:
+    """Fold one rank's keys into the gradients, in place: the anchors', scale's and bias's
+    (``sums``) and the keys' accumulator that travels with them (``held``: [M, 2D])."""
+    da, ds, db = sums
+    dim = a.shape[1]
+    keys, acc = held[:rows, :dim], held[:rows, dim:]
+    for start in range(0, rows, plan.block):
+        kb = keys[start : start + plan.block]
+        raw, w = _chunk_logits(a, kb, scale, bias)  # w: [n, b], becomes dL/dlogits
+        if plan.kind == "lse":
+            if own and plan.mask_self:
+                _mask_diagonal(w, start)
+            w.sub_(out[:, None]).exp_()
+        else:
+            w.sigmoid_()
+        w.mul_(grad[:, None])
+        ds += torch.vdot(w.flatten(), raw.flatten())
+        db += w.sum()
+        w.mul_(scale)  # dL/draw; a tensor, never read on the host (no synchronisation)
+        da.addmm_(w, kb)
+        acc[start : start + plan.block].addmm_(w.T, a)
 
 
 def _reduce_backward(
     a: Tensor, k: Tensor, scale: Tensor, bias: Tensor, out: Tensor, grad: Tensor, plan: _Plan
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The forward's ring again, each copy of the keys travelling with a gradient accumulator
+    ([M, 2D]) that every rank it visits adds to; after the last step each accumulator goes
+    straight home (one exchange), where the owner adds both to its own part."""
     g, width, dim = plan.group, max(plan.rows), k.shape[1]
-    da, ds, db = torch.zeros_like(a), torch.zeros_like(scale), torch.zeros_like(bias)
-    # [M, 2D]: the keys and their gradient accumulator travel together
-    cur = torch.cat([F.pad(k, (0, 0, 0, width - k.shape[0])), k.new_zeros(width, dim)], 1)
-    for step in range(g.size):
-        rows = plan.rows[plan.source(step)]
-        keys, acc = cur[:rows, :dim], cur[:rows, dim:]
-        for start in range(0, rows, plan.block):
-            kb = keys[start : start + plan.block]
-            raw, w = _chunk_logits(a, kb, scale, bias)  # w: [n, b], becomes dL/dlogits
-            if plan.kind == "lse":
-                if step == 0 and plan.mask_self:
-                    _mask_diagonal(w, start)
-                w.sub_(out[:, None]).exp_()
-            else:
-                w.sigmoid_()
-            w.mul_(grad[:, None])
-            ds += torch.vdot(w.flatten(), raw.flatten())
-            db += w.sum()
-            w.mul_(scale)  # dL/draw; a tensor, never read on the host (no synchronisation)
-            da.addmm_(w, kb)
-            acc[start : start + plan.block].addmm_(w.T, a)
-        last = step == g.size - 1
-        send = cur[:, dim:].contiguous() if last else cur
-        nxt, pending = _shift(send, g) if g.size > 1 else (send, None)
-        if pending is not None:
-            pending.wait()
-        cur = nxt
-    return da, cur[: k.shape[0], -dim:].contiguous(), ds, db
+    sums = torch.zeros_like(a), torch.zeros_like(scale), torch.zeros_like(bias)
+    padded = F.pad(k, (0, 0, 0, width - k.shape[0]))
+    mine = torch.cat([padded, torch.zeros_like(padded)], 1)  # [M, 2D]: keys | accumulator
+    _backward_block(a, mine, len(k), scale, bias, out, grad, plan, True, sums)
+    travelling = torch.cat([padded, torch.zeros_like(padded)], 1)  # the copies start at zero
+    copies = {"right": travelling, "left": travelling}
+    for step in range(1, plan.right_steps + 1):
+        landed, pending = _travel(copies, step, plan)
+        pending.wait()
+        copies.update(landed)
+        for side, held in landed.items():
+            owner = plan.owner(side, step)
+            _backward_block(a, held, plan.rows[owner], scale, bias, out, grad, plan, False, sums)
+    dk = mine[: len(k), dim:]
+    if g.size > 1:  # each travelled accumulator goes home; this rank's two come back
+        sends, recvs = [], []
+        for side, steps in (("right", plan.right_steps), ("left", plan.left_steps)):
+            if steps:
+                home = torch.empty(width, dim, dtype=k.dtype, device=k.device)
+                sends.append((copies[side][:, dim:].contiguous(), plan.owner(side, steps)))
+                recvs.append((home, plan.owner("left" if side == "right" else "right", steps)))
+        _comm.start_exchange(sends, recvs, g).wait()
+        for home, _ in recvs:
+            dk = dk + home[: len(k)]
+    return sums[0], dk.contiguous(), sums[1], sums[2]
 
 
 class _RingReduce(torch.autograd.Function):
