@@ -25,23 +25,23 @@ class Learnable(nn.Module):
         return self.encoder(a), self.encoder(b), self.log_t.exp()
 
 
-def nt_xent(m: Learnable, a: Tensor, b: Tensor, block_size: int | None = None) -> Tensor:
+def nt_xent(m: Learnable, a: Tensor, b: Tensor, block_size: int | str | None = None) -> Tensor:
     return dg.losses.nt_xent(
         m.encoder(a), m.encoder(b), temperature=m.log_t.exp(), block_size=block_size
     )
 
 
-def info_nce(m: Learnable, a: Tensor, b: Tensor, block_size: int | None = None) -> Tensor:
+def info_nce(m: Learnable, a: Tensor, b: Tensor, block_size: int | str | None = None) -> Tensor:
     return dg.losses.info_nce(
         m.encoder(a), m.encoder(b), temperature=m.log_t.exp(), block_size=block_size
     )
 
 
-def clip_loss(m: Learnable, a: Tensor, b: Tensor, block_size: int | None = None) -> Tensor:
+def clip_loss(m: Learnable, a: Tensor, b: Tensor, block_size: int | str | None = None) -> Tensor:
     return dg.losses.clip_loss(m.encoder(a), m.encoder(b), m.log_scale.exp(), block_size=block_size)
 
 
-def siglip_loss(m: Learnable, a: Tensor, b: Tensor, block_size: int | None = None) -> Tensor:
+def siglip_loss(m: Learnable, a: Tensor, b: Tensor, block_size: int | str | None = None) -> Tensor:
     return dg.losses.siglip_loss(
         m.encoder(a), m.encoder(b), m.log_scale.exp(), m.bias, block_size=block_size
     )

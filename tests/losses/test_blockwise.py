@@ -19,6 +19,7 @@ from torch import Tensor
 
 import distgrad as dg
 from distgrad._group import resolve
+from distgrad.losses import contrastive
 from distgrad.losses._blockwise import ring_clip, ring_reduce
 from distgrad.testing import check_against_single_process, run_on_ranks
 from tests._support import FLOAT64, seeded
@@ -224,3 +225,44 @@ def test_ring_clip_equals_row_and_column_logsumexps_with_random_cotangents(
     for i, want in enumerate([row.detach(), col.detach(), x.grad, y.grad]):
         torch.testing.assert_close(torch.cat([r[i] for r in per_rank]), want, **FLOAT64)
     torch.testing.assert_close(sum(r[4] for r in per_rank), s.grad, **FLOAT64)
+
+
+def test_auto_picks_the_ring_only_when_the_dense_logits_would_be_large() -> None:
+    """choose_block: dense (None) while the float32 logits [factor * max B_l, factor * B] fit
+    AUTO_DENSE_BYTES, the device's ring block beyond; an int or None passes through."""
+    x = torch.ones(1, 4)
+    fits = 2**14  # [2**14, 2**15] float32: exactly 2 GiB
+    assert contrastive.choose_block("auto", [fits, fits], x) is None
+    assert contrastive.choose_block("auto", [fits + 1, fits], x) == contrastive.AUTO_BLOCK["cpu"]
+    assert contrastive.choose_block("auto", [fits // 2, fits // 2], x, factor=2) is None
+    assert contrastive.choose_block("auto", [fits // 2 + 1, fits // 2], x, factor=2) is not None
+    assert contrastive.choose_block(7, [1, 1], x) == 7
+    assert contrastive.choose_block(None, [10**6, 10**6], x) is None
+
+
+def _auto(rank: int, world_size: int, limit: int) -> list[Tensor]:
+    contrastive.AUTO_DENSE_BYTES = limit  # in this rank's process only
+    views = _views(7)
+    rows = slice(0, 4) if rank == 0 else slice(4, 7)
+    model = cases.Learnable()
+    value = cases.siglip_loss(model, views["a"][rows], views["b"][rows], block_size="auto")
+    value.backward()
+    grads = [torch.zeros(()) if p.grad is None else p.grad for p in model.parameters()]
+    return [value.detach(), *grads]
+
+
+@pytest.mark.parametrize("limit", [0, 2**40], ids=["ring", "dense"])
+def test_auto_block_size_equals_the_dense_loss_on_either_path(limit: int) -> None:
+    """block_size="auto" on 2 ranks, the ring forced (limit 0) or the dense path (a limit no
+    batch reaches): the dense single-process value on every rank, DDP-averaged gradients."""
+    views = _views(7)
+    reference = cases.Learnable()
+    value = cases.siglip_loss(reference, views["a"], views["b"])
+    value.backward()
+    per_rank = run_on_ranks(_auto, 2, args=(limit,))
+    for result in per_rank:
+        torch.testing.assert_close(result[0], value.detach(), **FLOAT64)
+    for i, q in enumerate(reference.parameters(), start=1):
+        averaged = sum(r[i] for r in per_rank) / 2
+        expected = torch.zeros(()) if q.grad is None else q.grad
+        torch.testing.assert_close(averaged, expected, **FLOAT64, check_dtype=False)

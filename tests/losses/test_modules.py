@@ -247,7 +247,7 @@ def test_bad_input_on_the_ring_path_raises_on_every_rank() -> None:
     """block_size, temperature on one rank only, dims of the two modalities, batch sizes of
     the two views on one rank only: the same error on both ranks, no hang."""
     for seen in run_on_ranks(_ring_bad_inputs, 2, timeout=30):
-        assert "block_size must be None (dense) or a positive int, got 0" in seen[0]
+        assert "block_size must be None (dense), 'auto' or a positive int, got 0" in seen[0]
         assert "rank 1: temperature must be finite and positive, got -1.0" in seen[1]
         assert "image and text must have the same shape" in seen[2]
         assert "rank 1: query and key must have the same shape" in seen[3]

@@ -29,7 +29,7 @@ from distgrad._group import ProcessGroup
 from distgrad.collectives.all_reduce import all_reduce
 from distgrad.losses._compat import renamed
 from distgrad.losses.barlow_twins import barlow_twins
-from distgrad.losses.contrastive import clip_loss, info_nce, nt_xent, siglip_loss
+from distgrad.losses.contrastive import BlockSize, clip_loss, info_nce, nt_xent, siglip_loss
 
 __all__ = ["BarlowTwinsLoss", "CLIPLoss", "InfoNCELoss", "NTXentLoss", "SigLIPLoss"]
 
@@ -90,7 +90,7 @@ class _Temperature(_LossModule):
         learnable: bool,
         normalize: bool,
         group: ProcessGroup | None,
-        block_size: int | None,
+        block_size: BlockSize,
     ) -> None:
         super().__init__()
         self.normalize, self.group, self.block_size = normalize, group, block_size
@@ -112,7 +112,7 @@ class NTXentLoss(_Temperature):
         learnable: bool = False,
         normalize: bool = True,
         group: ProcessGroup | None = None,
-        block_size: int | None = None,
+        block_size: BlockSize = None,
     ) -> None:
         super().__init__(temperature, learnable, normalize, group, block_size)
 
@@ -140,7 +140,7 @@ class InfoNCELoss(_Temperature):
         learnable: bool = False,
         normalize: bool = True,
         group: ProcessGroup | None = None,
-        block_size: int | None = None,
+        block_size: BlockSize = None,
     ) -> None:
         super().__init__(temperature, learnable, normalize, group, block_size)
 
@@ -174,7 +174,7 @@ class CLIPLoss(_LossModule):
         max_logit_scale: float = 100.0,
         normalize: bool = True,
         group: ProcessGroup | None = None,
-        block_size: int | None = None,
+        block_size: BlockSize = None,
     ) -> None:
         super().__init__()
         self.normalize, self.group, self.block_size = normalize, group, block_size
@@ -214,7 +214,7 @@ class SigLIPLoss(_LossModule):
         *,
         normalize: bool = True,
         group: ProcessGroup | None = None,
-        block_size: int | None = None,
+        block_size: BlockSize = None,
     ) -> None:
         super().__init__()
         self.normalize, self.group, self.block_size = normalize, group, block_size
