@@ -15,6 +15,8 @@ uses a raw ``torch.distributed.all_gather`` of detached tensors.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -82,7 +84,22 @@ def siglip_formula(
 # ------------------------------------------------------------------ open_clip's ClipLoss
 
 
-def _open_clip(image: Tensor, text: Tensor, local_loss: bool, with_grad: bool) -> Tensor:
+class EncoderAndScale(Encoder):
+    """The encoder and CLIP's learnable log logit scale (open_clip's ``model.logit_scale``,
+    whose exponential the training script passes to the loss)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.logit_scale = nn.Parameter(torch.tensor(math.log(SCALE), dtype=torch.float64))
+
+
+def _open_clip(
+    image: Tensor,
+    text: Tensor,
+    local_loss: bool,
+    with_grad: bool,
+    scale: Tensor | float = SCALE,
+) -> Tensor:
     """open_clip's ClipLoss on one rank: features normalised by the model, then
     ``gather_features`` and the loss as open_clip's ``local_loss``/``gather_with_grad`` say."""
     x, y = F.normalize(image, dim=1), F.normalize(text, dim=1)
@@ -96,11 +113,11 @@ def _open_clip(image: Tensor, text: Tensor, local_loss: bool, with_grad: bool) -
             xs[_rank()], ys[_rank()] = x, y
         all_x, all_y = torch.cat(xs), torch.cat(ys)
     if local_loss:
-        per_image = SCALE * x @ all_y.T  # [B_l, B]
-        per_text = SCALE * y @ all_x.T
+        per_image = scale * x @ all_y.T  # [B_l, B]
+        per_text = scale * y @ all_x.T
         labels = torch.arange(len(x)) + len(x) * _rank()
     else:
-        per_image = SCALE * all_x @ all_y.T  # [B, B] on every rank
+        per_image = scale * all_x @ all_y.T  # [B, B] on every rank
         per_text = per_image.T
         labels = torch.arange(len(all_x))
     return (F.cross_entropy(per_image, labels) + F.cross_entropy(per_text, labels)) / 2
@@ -109,6 +126,12 @@ def _open_clip(image: Tensor, text: Tensor, local_loss: bool, with_grad: bool) -
 def open_clip_default(model: nn.Module, image: Tensor, text: Tensor) -> Tensor:
     """``ClipLoss()``: local_loss=False, gather_with_grad=False (open_clip's defaults)."""
     return _open_clip(model(image), model(text), local_loss=False, with_grad=False)
+
+
+def open_clip_default_learnable_scale(model: nn.Module, image: Tensor, text: Tensor) -> Tensor:
+    """``ClipLoss()`` with the model's learnable logit scale (``EncoderAndScale``)."""
+    scale = model.logit_scale.exp()  # type: ignore[operator]
+    return _open_clip(model(image), model(text), local_loss=False, with_grad=False, scale=scale)
 
 
 def open_clip_local_loss(model: nn.Module, image: Tensor, text: Tensor) -> Tensor:

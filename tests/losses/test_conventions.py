@@ -173,6 +173,22 @@ def test_open_clip_default_clip_loss_gives_one_over_w_of_the_gradient_under_ddp(
     assert "every gradient is scaled by 1/2" in report.diagnoses[0]
 
 
+def test_open_clip_default_gives_the_scale_its_exact_gradient_and_the_encoder_1_over_w() -> None:
+    """ClipLoss() with a learnable logit scale: every rank's loss is the whole global loss, so
+    the scale's gradient is exact on every rank (DDP's average keeps it); the encoder's is 1/2
+    (W = 2). Under DDP the two get different effective learning rates."""
+    report = check_against_single_process(
+        P.open_clip_default_learnable_scale,  # type: ignore[arg-type]
+        _pairs(*IMAGE_TEXT),
+        world_size=2,
+        model=P.EncoderAndScale,
+    )
+    params = {c.name: c for c in report.checks if c.name.startswith("param ")}
+    assert params["param logit_scale"].ok, params
+    wrong = {name: round(c.scale or 0.0, 6) for name, c in params.items() if not c.ok}
+    assert wrong == {"param linear.weight": 0.5, "param linear.bias": 0.5}, wrong
+
+
 def test_open_clip_local_loss_without_gather_with_grad_misses_cross_rank_terms() -> None:
     report = _check(P.open_clip_local_loss, IMAGE_TEXT)
     assert report.contracts == {"averaged": False, "summed": False}
