@@ -415,6 +415,107 @@ def _compare_loss(
     return f"pass (value {worst_value:.0e}, gradient {worst:.0e})"
 
 
+# Time of CLIP's loss on one device at world size 1, against plain torch: (global batches
+# timed against plain torch, the batch the ring alone runs at, dim, ring block).
+LOSS_TIMING = {"cuda": ((16384, 32768), 131072, 512, 4096), "cpu": ((256, 512), 1024, 32, 128)}
+
+
+def _plain_clip(x: Tensor, y: Tensor, s: Tensor) -> Tensor:
+    """CLIP as a careful user writes it for one device: one logits matrix, a cross-entropy
+    over its rows and one over its columns."""
+    x, y = nn.functional.normalize(x, dim=1), nn.functional.normalize(y, dim=1)
+    logits = (s * x) @ y.T
+    labels = torch.arange(len(x), device=x.device)
+    ce = nn.functional.cross_entropy
+    return (ce(logits, labels) + ce(logits.T, labels)) / 2
+
+
+def _clip_variants(block: int) -> dict[str, Callable[[Tensor, Tensor, Tensor], Tensor]]:
+    return {
+        "plain torch": _plain_clip,
+        "dense": lambda x, y, s: dg.losses.clip_loss(x, y, s, sizes=[len(x)]),
+        f"ring {block}": lambda x, y, s: dg.losses.clip_loss(
+            x, y, s, sizes=[len(x)], block_size=block
+        ),
+    }
+
+
+def _timed_clip(
+    fn: Callable[[Tensor, Tensor, Tensor], Tensor], inputs: list[Tensor], cuda: bool
+) -> float:
+    """One forward+backward of ``fn`` in ms, the device synchronised before and after."""
+    x, y, log_s = inputs
+    for t in inputs:
+        t.grad = None
+    if cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn(x, y, log_s.exp()).backward()
+    if cuda:
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e3
+
+
+def _clip_times(
+    rank: int, n: int, device: str, rounds: int
+) -> list[tuple[int, str, list[float], float]]:
+    """(global batch, variant, times per round in ms, peak MiB above the inputs) of CLIP's
+    forward+backward at world size 1: every variant once per round, in a shuffled order, the
+    device synchronised before and after each; the peak from an untimed first call."""
+    where = _bind(rank, device)
+    batches, ring_only, dim, block = LOSS_TIMING[where.type]
+    cuda = where.type == "cuda"
+    order, found = random.Random(0), []
+    for batch in (*batches, ring_only):
+        gen = torch.Generator().manual_seed(0)
+        x, y = (torch.randn(batch, dim, generator=gen).to(where).requires_grad_() for _ in "xy")
+        log_s = torch.tensor(math.log(1 / 0.07), device=where, requires_grad=True)
+        inputs = [x, y, log_s]
+        variants = _clip_variants(block)
+        if batch == ring_only:
+            variants = {k: v for k, v in variants.items() if k.startswith("ring")}
+
+        peaks, times = {}, {name: [] for name in variants}
+        for name, fn in variants.items():
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+            _timed_clip(fn, inputs, cuda)  # warm-up (and the peak)
+            peaks[name] = (torch.cuda.max_memory_allocated() - base) / 2**20 if cuda else math.nan
+        for _ in range(rounds):
+            names = list(variants)
+            order.shuffle(names)
+            for name in names:
+                times[name].append(_timed_clip(variants[name], inputs, cuda))
+        found += [(batch, name, times[name], peaks[name]) for name in variants]
+        del x, y, inputs
+    return found
+
+
+def _timing_rows(section: Section, device: str, rounds: int = 5) -> None:
+    """CLIP's time at world size 1 (one process, the first setup's backend) against plain
+    torch: a row per batch and variant, the median time and the median paired ratio."""
+    setup = setups(device, 1)[0]
+    alone = Setup(setup.backend, 1, setup.device)
+    per_rank = _on_ranks(
+        section, alone, ("clip_loss time", "-", "float32"), _clip_times, (device, rounds),
+        timeout=420, collective_timeout=300,
+    )  # fmt: skip
+    if per_rank is None:
+        return
+    dim = LOSS_TIMING[device][2]
+    found = per_rank[0]
+    plain = {batch: times for batch, name, times, _ in found if name == "plain torch"}
+    for batch, name, times, peak in found:
+        shown = f"{statistics.median(times):.1f} ms"
+        if batch in plain and name != "plain torch":
+            ratio = statistics.median(t / p for t, p in zip(times, plain[batch], strict=True))
+            shown += f", {ratio:.2f}x plain torch"
+        shown += f", peak {peak:.0f} MiB" if not math.isnan(peak) else ", peak: CPU, not measured"
+        what = f"clip_loss time, global batch {batch}, dim {dim}"
+        section.rows.append((alone.label, what, name, "float32", shown))
+
+
 def part_losses(device: str, gpus: int) -> Section:
     section = Section(
         "losses",
@@ -426,7 +527,14 @@ def part_losses(device: str, gpus: int) -> Section:
         "(docs/losses.md); bfloat16 value 1e-5 relative (the loss computes in float32), "
         "gradients 2e-2 of the largest (tests/test_precision.py). Encoder gradients are "
         "averaged over ranks (DDP); a module's scalars must have the single-process gradient "
-        "on every rank. The result shows the worst relative errors seen.",
+        "on every rank. The result shows the worst relative errors seen. Then the time of "
+        "`clip_loss`'s forward+backward at world size 1 (one process), float32, against plain "
+        "torch (one logits matrix, a cross-entropy over its rows and one over its columns): "
+        "dense and ring (`block_size=4096`) at global batch 16384 and 32768, dim 512, and the "
+        "ring alone at 131072 (CPU mode: 256 and 512, the ring at 1024, dim 32, block 128); "
+        "5 rounds, each variant once per round in a shuffled order, the median time and the "
+        "median of the paired ratios; the peak is `max_memory_allocated` above the inputs in "
+        "an untimed first call.",
         ("setup", "loss", "path", "precision", "result"),
     )
     for setup in setups(device, gpus):
@@ -448,6 +556,7 @@ def part_losses(device: str, gpus: int) -> Section:
                 result = _compare_loss(per_rank, i, name, block, precision)
                 section.rows.append((setup.label, name, path, precision, result))
                 i += 1
+    _timing_rows(section, device)
     return section
 
 
