@@ -13,12 +13,19 @@ gradient for the context and hands the node ``None`` instead, so ``.grad`` is ne
 the calling thread, which is where torch runs CPU nodes: a local backward that another thread
 runs through the same leaf at the same moment is left alone.
 
-Intra-op threads: every engine call first applies the process's ``torch.set_num_threads``
-setting to the calling thread (``torch._C.init_num_threads``, 0.07 us). OpenMP keeps the
-thread count per thread, and a thread takes the process's setting only at its first parallel
-op: an RPC thread that ran a forward before the program called ``torch.set_num_threads(1)``
-kept 2 threads, while torch's engine, whose threads start at the first backward, used 1, and
-a convolution's weight gradient differed from torch's in the last bits.
+Intra-op threads: every engine call, and every user function or optimizer step that distgrad
+serves on an RPC thread, first applies the process's ``torch.set_num_threads`` setting to the
+calling thread (:func:`use_process_threads`: ``torch._C.init_num_threads``, 0.07 us). The
+count is kept per thread, and a thread takes the process's setting only when it first asks
+for it (any op that may run in parallel does); until then BLAS uses its default count, and a
+matrix product alone does not ask. So without this, the bits an RPC thread computes depend on
+what that thread ran before: under ``torch.set_num_threads(1)`` on 2 cores, ``F.linear`` on a
+(2, 5, 8) input differs in the last bit between a thread that has asked and one that has not,
+and which of the agent's 16 threads serves a call depends on timing. The RNN program's
+decoder output, so its LSTM update, differed between launches in 4 of 5. Earlier, an RPC
+thread that ran a forward before the program called ``torch.set_num_threads(1)`` kept 2
+threads, and a convolution's weight gradient differed from torch's engine's. torch's own agent
+threads serve user functions as they are (docs/rpc.md, "Threads").
 
 SMART also needs to stop the engine at chosen nodes, which torch's engine can only do in its
 ``grad`` mode (:func:`capture`): a node whose input is captured does not run unless another
@@ -47,13 +54,19 @@ from distgrad.rpc._records import Leaf, Target
 from distgrad.rpc._reductions import Reductions
 from distgrad.rpc.send_recv import is_recv_node
 
-__all__ = ["Cut", "Walk", "capture", "run", "walk"]
+__all__ = ["Cut", "Walk", "capture", "run", "use_process_threads", "walk"]
 
 _engine: Any = Variable._execution_engine  # type: ignore[attr-defined]  # torch's C++ engine
 _init_num_threads: Callable[[], None] = torch._C.init_num_threads  # type: ignore[attr-defined]
 
 # (node, the positions of its next edges to cut, called with (node, position, gradient))
 Cut = tuple[Node, Sequence[int], Callable[[Node, int, Tensor], None]]
+
+
+def use_process_threads() -> None:
+    """Give the calling thread the process's intra-op thread count (see the module docstring):
+    called first by everything distgrad runs on an RPC thread."""
+    _init_num_threads()
 
 
 @dataclass
@@ -113,7 +126,7 @@ def run(
     ]
     inputs = (*(leaf for leaf, _ in leaves), *more_inputs)
     _context.counters["engine_runs"] += 1
-    _init_num_threads()  # this thread's intra-op threads: the process's (see above)
+    use_process_threads()
     try:
         if reduction is not None:
             reduction.__enter__()
@@ -151,7 +164,7 @@ def capture(
     me = threading.get_ident()
     handles = [node.register_hook(_cutter(node, at, call, me)) for node, at, call in cuts]
     _context.counters["engine_runs"] += 1
-    _init_num_threads()
+    use_process_threads()
     try:
         found: tuple[Tensor | None, ...] = _engine.run_backward(
             tuple(starts), tuple(grads), True, False, tuple(inputs), True, False

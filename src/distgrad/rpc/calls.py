@@ -29,6 +29,7 @@ from torch.futures import Future
 from distgrad.errors import RpcAutogradError
 from distgrad.rpc import _identity, _liveness, _release, _transport
 from distgrad.rpc._context import get_or_create, lookup
+from distgrad.rpc._local import use_process_threads
 from distgrad.rpc._wire import Envelope
 from distgrad.rpc.backward import backward
 from distgrad.rpc.send_recv import attach_recv, detach_for_send
@@ -326,6 +327,7 @@ def _open(envelope: Envelope, from_worker: str) -> Any:
 
 
 def _run_inside(request: Envelope, func: _WireFunction) -> Any:
+    use_process_threads()  # the same bits whichever agent thread serves the call (_local)
     _transport.install_guard()
     _liveness.ensure_started()
     if request.releases:

@@ -15,6 +15,7 @@ from torch.distributed import rpc as torch_rpc
 from distgrad.errors import RpcAutogradError
 from distgrad.rpc import _identity, _transport
 from distgrad.rpc._context import lookup
+from distgrad.rpc._local import use_process_threads
 from distgrad.rpc.calls import RRef
 
 __all__ = ["DistributedOptimizer"]
@@ -34,10 +35,12 @@ class _LocalOptimizer:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> None:
+        use_process_threads()  # on an RPC thread: see distgrad.rpc._local
         self.params: list[Tensor] = [rref.local_value() for rref in rrefs]
         self.optimizer = optimizer_class(self.params, *args, **kwargs)
 
     def step(self, context_id: int) -> None:
+        use_process_threads()  # on an RPC thread: see distgrad.rpc._local
         grads = lookup(context_id).gradients()
         with _step_lock:
             saved = [p.grad for p in self.params]

@@ -32,6 +32,7 @@ import contextlib
 import faulthandler
 import multiprocessing as mp
 import multiprocessing.connection
+import multiprocessing.forkserver
 import os
 import pickle
 import shutil
@@ -76,8 +77,30 @@ def _forkserver_context() -> Any:
         ctx = mp.get_context("forkserver")
         extra = [name for name in _PRELOAD_IF_LOADED if name in sys.modules]
         ctx.set_forkserver_preload([*_PRELOAD, *extra, "__main__"])
+        _start_server_with_one_thread()
         _context = ctx
     return _context
+
+
+def _start_server_with_one_thread() -> None:
+    """Start the forkserver with ``OMP_NUM_THREADS=1`` in its environment, so that every
+    thread of every rank has one intra-op thread from its start.
+
+    ``torch.set_num_threads(1)`` in a rank sets the count of the threads that ask for it; a
+    thread that has not asked yet (an RPC agent thread that only ran matrix products) used the
+    OpenMP default, 2 on 2 cores, and computed other last bits: a torch RPC program's results
+    then depended on which agent thread served which call. The caller's own environment is
+    left as it was. A forkserver already running (started by someone else) is used as it is.
+    """
+    previous = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        if previous is None:
+            del os.environ["OMP_NUM_THREADS"]
+        else:
+            os.environ["OMP_NUM_THREADS"] = previous
 
 
 @dataclass(frozen=True)
