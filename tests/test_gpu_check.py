@@ -48,6 +48,7 @@ def _results(section: str) -> list[str]:
 
 
 # Every part in fresh gloo processes, aot_eager compiling one step: about 45 s on 2 busy cores.
+@pytest.mark.slow  # every part on gloo: 20-50 s; CI runs it
 @pytest.mark.timeout(300)
 def test_cpu_mode_runs_every_part_and_labels_its_file_as_cpu(tmp_path: Path) -> None:
     out = tmp_path / "gpu_check_cpu.md"

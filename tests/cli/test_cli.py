@@ -9,6 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from distgrad._cli import main
+
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "check_info_nce.py"
 TARGETS = Path(__file__).resolve().parent / "targets.py"
@@ -146,6 +150,33 @@ BAD: list[tuple[list[str], str]] = [
 ]
 
 
+@pytest.mark.parametrize(("args", "message"), BAD, ids=[" ".join(a)[-40:] for a, _ in BAD])
+def test_a_bad_argument_is_one_line_with_the_error_prefix_and_exit_2(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """The command's own entry point, in this process (a new process per case spends ~2 s
+    importing torch; the slow tier runs every case as its own process too)."""
+    with pytest.raises(SystemExit) as exited:
+        main(args)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2, (args, err)
+    assert message in err, (args, err)
+    assert err.count("\n") == 1 and err.startswith("distgrad: error: "), (args, err)
+
+
+def test_a_bad_argument_exits_2_from_the_installed_command() -> None:
+    """One case as a user meets it: the console script, its own process."""
+    result = subprocess.run(
+        [str(CONSOLE_SCRIPT), "check", "just_a_name"], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 2, result.stderr
+    assert result.stderr == (
+        "distgrad: error: TARGET must look like MODULE:FUNCTION or FILE.py:FUNCTION, "
+        "got 'just_a_name'\n"
+    ), result.stderr
+
+
+@pytest.mark.slow
 def test_bad_arguments_give_one_line_with_the_error_prefix_and_exit_2() -> None:
     """Every case is its own process, run side by side; each must exit 2 with one line."""
     results = distgrad_many([[sys.executable, "-m", "distgrad", *args] for args, _ in BAD])

@@ -1,11 +1,16 @@
 """torch.compile(fullgraph=True): every collective and every loss traces into one graph, with no
 graph break and no recompilation, and gives eager's values and gradients.
 
-Semantics asserted: the compiled step (inductor backend, gloo, CPU, float64) is the same
-function as the eager step, so its loss and input gradients equal eager's to rounding (the
+Semantics asserted: the compiled step (gloo, CPU, float64) is the same function as the eager
+step, so its loss and input gradients equal eager's to rounding (the
 compiler fuses and reorders arithmetic: 1e-9 relative in float64). ``torch._dynamo.explain``
 counts one graph and no break; ``error_on_recompile`` makes a second compilation an error, and
 each step runs on fresh data three times.
+
+Two backends: ``aot_eager`` in the default tier (dynamo's trace and AOT autograd's joint graph,
+the fake kernels and the functionalization that inductor sees too, in seconds), and
+``inductor`` in the slow tier (the generated C++ as well: 60-100 s per step on 2 cores; CI
+runs it).
 """
 
 from __future__ import annotations
@@ -90,7 +95,10 @@ STEPS: dict[str, tuple[Callable[[int, int], Step], tuple[int, int]]] = {
 }
 
 
-def _compiled_matches_eager(rank: int, n: int, which: str) -> list[Any]:
+BACKENDS = ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)]
+
+
+def _compiled_matches_eager(rank: int, n: int, which: str, backend: str) -> list[Any]:
     # Two ranks on two cores: inductor's pool of compile workers costs more than it saves.
     torch._inductor.config.compile_threads = 1
     torch.set_default_dtype(torch.float64)
@@ -103,7 +111,7 @@ def _compiled_matches_eager(rank: int, n: int, which: str) -> list[Any]:
     found = [explained.graph_count, explained.graph_break_count]
     found += [str(r.reason)[:300] for r in explained.break_reasons]
     torch._dynamo.reset()
-    compiled = torch.compile(step, fullgraph=True, backend="inductor")
+    compiled = torch.compile(step, fullgraph=True, backend=backend)
     for i in range(3):
         x = torch.randn(shape, generator=gen, requires_grad=True)
         want = step(x, v)
@@ -118,20 +126,27 @@ def _compiled_matches_eager(rank: int, n: int, which: str) -> list[Any]:
 
 # Inductor compiles C++ for each graph: about 60-100 s per step on 2 cores.
 @pytest.mark.timeout(400)
-def test_every_collective_compiles_to_one_graph_and_matches_eager() -> None:
-    for found in run_on_ranks(_compiled_matches_eager, 2, args=("collectives",), timeout=300):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_collective_compiles_to_one_graph_and_matches_eager(backend: str) -> None:
+    for found in run_on_ranks(
+        _compiled_matches_eager, 2, args=("collectives", backend), timeout=300
+    ):
         assert found[:2] == [1, 0], found
 
 
 @pytest.mark.timeout(400)
-def test_every_loss_compiles_to_one_graph_and_matches_eager() -> None:
-    for found in run_on_ranks(_compiled_matches_eager, 2, args=("losses",), timeout=300):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_loss_compiles_to_one_graph_and_matches_eager(backend: str) -> None:
+    for found in run_on_ranks(_compiled_matches_eager, 2, args=("losses", backend), timeout=300):
         assert found[:2] == [1, 0], found
 
 
 @pytest.mark.timeout(400)
-def test_async_op_compiles_to_one_graph_and_matches_eager() -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_async_op_compiles_to_one_graph_and_matches_eager(backend: str) -> None:
     """The same collectives with ``async_op=True``: eager (tensors that wait on first use) and
     compiled (the blocking call, traced) agree, in one graph."""
-    for found in run_on_ranks(_compiled_matches_eager, 2, args=("collectives_async",), timeout=300):
+    for found in run_on_ranks(
+        _compiled_matches_eager, 2, args=("collectives_async", backend), timeout=300
+    ):
         assert found[:2] == [1, 0], found

@@ -16,10 +16,18 @@ import pytest
 
 from tests.lifecycle.stress import CLEAN, FAILING, launch, problems
 
+# One clean ending, one failing and one signal in the default tier; every ending, and 4
+# processes, in the slow tier (10-18 s a launch), which CI runs.
+DEFAULT = {("no_destroy", 2), ("raise", 2), ("sigterm", 2)}
+
 
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize(
-    ("ending", "nproc"), [*((e, 2) for e in (*CLEAN, *FAILING)), ("destroy", 4), ("raise", 4)]
+    ("ending", "nproc"),
+    [
+        case if case in DEFAULT else pytest.param(*case, marks=pytest.mark.slow)
+        for case in [*((e, 2) for e in (*CLEAN, *FAILING)), ("destroy", 4), ("raise", 4)]
+    ],
 )
 def test_a_torchrun_job_ends_as_it_should(ending: str, nproc: int) -> None:
     run = launch(ending, nproc)

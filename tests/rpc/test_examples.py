@@ -17,7 +17,14 @@ EXAMPLES = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(EXAMPLES))
+# The design note's example in the default tier; the two training examples (10-25 s each) in
+# the slow tier, which CI runs.
+SLOW = {"rpc_parameter_server.py", "rpc_model_parallel.py"}
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in sorted(EXAMPLES)]
+)
 def test_example_runs_and_checks_itself(name: str) -> None:
     result = subprocess.run(
         [sys.executable, str(ROOT / "examples" / name)],

@@ -102,7 +102,9 @@ def _launch(per_node: int, out: Path) -> None:
 
 
 @pytest.mark.timeout(TEST_TIMEOUT_S)
-@pytest.mark.parametrize("per_node", [1, 2], ids=["2x1", "2x2"])
+@pytest.mark.parametrize(  # 2x2 (4 workers on 2 cores, 15 s) in the slow tier, which CI runs
+    "per_node", [pytest.param(1, id="2x1"), pytest.param(2, id="2x2", marks=pytest.mark.slow)]
+)
 def test_ddp_training_launched_by_torchrun_on_two_nodes_equals_one_process(
     per_node: int, tmp_path: Path
 ) -> None:
