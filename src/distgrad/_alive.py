@@ -23,6 +23,14 @@ Costs, whatever the number of groups: one listening socket per process, and one 
 socket per peer process this one has waited on for a tick (gloo itself holds one per peer per
 group). A poll of W - 1 sockets per tick of a long wait. No thread.
 
+A peer on this machine, in this process's pid namespace, is also looked at directly: its pid
+and start time are published beside the address, and ``/proc/<pid>/stat`` says at once whether
+that process is running, exiting (the kernel has begun to tear it down: its sockets may not be
+closed yet) or a zombie (killed or exited, not yet reaped by its parent: its exit status and
+signal are there), with no wait. :func:`verdict` is the question an error asks: gone (and how),
+running, or not known (no address yet, another machine whose connection has not closed), so
+that a message never calls a peer's process running on a guess.
+
 The sockets are closed in a child made by ``fork`` (a data loader's worker, say), so a dead
 rank's children do not keep its listener open, and when the default process group is
 destroyed (the next group's store gets a new address).
@@ -39,11 +47,11 @@ import socket
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal, NamedTuple
 
 import torch.distributed as dist
 
-__all__ = ["dead", "forget", "publish"]
+__all__ = ["Verdict", "dead", "forget", "publish", "verdict"]
 
 _CONNECT_TIMEOUT_S = 2.0
 _RETRY_S = 1.0  # how often to look again for the address of a peer that published none
@@ -58,6 +66,19 @@ _peers: dict[int, socket.socket | None] = {}
 _retry_at: dict[int, float] = {}
 # Peers found dead, by global rank, with why: a dead peer stays dead.
 _gone: dict[int, str] = {}
+# Peers' processes on this machine and in this pid namespace, by global rank: (pid, start time
+# in clock ticks since boot), read with their addresses.
+_procs: dict[int, tuple[int, int]] = {}
+
+_PF_EXITING = 0x4  # include/linux/sched.h: the process is being torn down
+
+
+class Verdict(NamedTuple):
+    """What is known of a peer's process: ``state`` is "gone", "running" or "unknown"; ``why``
+    says how it was seen (for "gone": how the process ended, where that can be known)."""
+
+    state: Literal["gone", "running", "unknown"]
+    why: str
 
 
 def _default_store() -> Any:
@@ -95,6 +116,65 @@ def _machine() -> str:
     return socket.gethostname()
 
 
+def _pid_namespace() -> str:
+    try:
+        return os.readlink("/proc/self/ns/pid").replace(" ", "")
+    except OSError:
+        return "-"
+
+
+def _me() -> str:
+    """This process as peers on this machine find it in /proc: pid, pid namespace, start time."""
+    stat = _stat(os.getpid())
+    start = stat[1] if stat is not None else -1
+    return f"{os.getpid()} {_pid_namespace()} {start}"
+
+
+def _stat(pid: int) -> tuple[bytes, int, int, int] | None:
+    """(state, start time, flags, exit code) of ``pid`` from /proc (None: no such process)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return None
+    # The command name (field 2) is in parentheses and may hold spaces: split after it.
+    fields = raw[raw.rindex(b")") + 2 :].split()
+    exit_code = int(fields[49]) if len(fields) > 49 else 0  # Linux 3.5+
+    return fields[0], int(fields[19]), int(fields[6]), exit_code
+
+
+def _ended(status: int) -> str:
+    """How a process ended, from its wait status (0: not readable, or a clean exit)."""
+    signal_number = status & 0x7F
+    if signal_number:
+        import signal
+
+        try:
+            name = signal.Signals(signal_number).name
+        except ValueError:
+            name = f"signal {signal_number}"
+        return f"killed by {name}"
+    return f"exited with code {(status >> 8) & 0xFF}"
+
+
+def _process_state(rank: int) -> Verdict:
+    """What /proc says of ``rank``'s process (on this machine, in this pid namespace)."""
+    found = _procs.get(rank)
+    if found is None:
+        return Verdict("unknown", "")
+    pid, start = found
+    stat = _stat(pid)
+    if stat is None or stat[1] != start:  # reaped (or its pid reused since)
+        return Verdict("gone", "its process is gone")
+    state, _, flags, exit_code = stat
+    if state in (b"Z", b"X"):
+        how = f" ({_ended(exit_code)})" if exit_code else ""
+        return Verdict("gone", f"its process has ended{how}")
+    if flags & _PF_EXITING:
+        return Verdict("gone", "its process is ending (killed, or it exited)")
+    return Verdict("running", f"its process {pid} is running")
+
+
 def _interface_address(ifname: str) -> str:
     if ifname == "lo":
         return "127.0.0.1"
@@ -123,7 +203,7 @@ def publish() -> None:
                 listener.listen(socket.SOMAXCONN)
                 listener.setblocking(False)
                 _listener = listener
-            address = f"{_machine()} {_host()}:{_listener.getsockname()[1]}"
+            address = f"{_machine()} {_host()}:{_listener.getsockname()[1]} {_me()}"
             store.set(_KEY.format(rank=dist.get_rank()), address)
         except Exception:  # no store, no socket: peers fall back on the group's timeout
             return
@@ -154,9 +234,39 @@ def dead(global_ranks: Sequence[int], settle_s: float = 0.0) -> tuple[int, str] 
         rank = by_fd[fd]
         why = _closed(_peers[rank])
         if why is not None:
-            _gone[rank] = why
-            return rank, why
+            _gone[rank] = _how(rank, why)
+            return rank, _gone[rank]
     return None
+
+
+def verdict(rank: int) -> Verdict:
+    """Whether ``rank``'s process (a global rank) is gone, running, or not known, asked when a
+    connection to it closed (after :func:`dead` let resets on their way arrive): /proc where it
+    can tell, with no wait, else distgrad's liveness connection. Never "running" on a guess:
+    only /proc says so, or a liveness connection that is open."""
+    if rank in _gone:
+        return Verdict("gone", _gone[rank])
+    conn = _peers[rank] if rank in _peers else _connect(rank)
+    if rank in _gone:
+        return Verdict("gone", _gone[rank])
+    seen = _process_state(rank)
+    if seen.state == "gone":
+        _gone[rank] = seen.why
+        return seen
+    if conn is not None:
+        why = _closed(conn)
+        if why is not None:
+            _gone[rank] = _how(rank, why)
+            return Verdict("gone", _gone[rank])
+        if seen.state == "unknown":
+            return Verdict("running", "its liveness connection is open")
+    return seen
+
+
+def _how(rank: int, seen: str) -> str:
+    """How ``rank``'s death was seen, with how its process ended where /proc can tell."""
+    state = _process_state(rank)
+    return state.why if state.state == "gone" and "(" in state.why else seen
 
 
 def _closed(conn: socket.socket | None) -> str | None:
@@ -183,11 +293,13 @@ def _connect(rank: int) -> socket.socket | None:
         if store is None or not store.check([key]):
             _retry_at[rank] = now + _RETRY_S  # it may not have made its first call yet
             return None
-        machine, address = store.get(key).decode().split(" ", 1)
+        machine, address, *me = store.get(key).decode().split(" ")
         host, port = address.rsplit(":", 1)
     except Exception:
         _retry_at[rank] = now + _RETRY_S
         return None
+    if machine == _machine() and len(me) == 3 and me[1] == _pid_namespace() and me[1] != "-":
+        _procs[rank] = (int(me[0]), int(me[2]))
     # On this machine a refused connection proves the peer gone; across machines it may only
     # be a wrong address (a host name that resolves to loopback), which must never be taken
     # for a death: such a peer is simply not watched.
@@ -204,7 +316,7 @@ def _connect(rank: int) -> socket.socket | None:
     except ConnectionRefusedError:
         conn.close()
         if local:
-            _gone[rank] = "nothing listens at its address any more: its process is gone"
+            _gone[rank] = _how(rank, "nothing listens at its address any more: its process is gone")
         else:
             _peers[rank] = None
         return None
@@ -231,6 +343,7 @@ def _close(listener: bool) -> None:
                 conn.close()
     _peers.clear()
     _gone.clear()
+    _procs.clear()
     _retry_at.clear()
     _published_in = _store_keep = None
     if listener and _listener is not None:

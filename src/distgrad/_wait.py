@@ -331,43 +331,24 @@ def annotate(
     if is_timeout(error):
         account = _timeout_account(group, peers, doing, what, waited)
     else:
-        dead = _dead_peer(group, peers, settle_s=0.05)
         if isinstance(error, PeerGoneError):
             source = "distgrad's liveness check"
-        if dead is not None:
-            who = f"rank {dead[0]}"
-            story = _peer_timed_out(group, dead[0], wait_s=0.0)
+        states = _peer_states(group, peers)
+        gone = [p for p in peers if states[p].state == "gone"]
+        if gone:
+            who = f"rank {gone[0]}"
+            story = _peer_timed_out(group, [gone[0]], wait_s=0.0)
             why = (
-                f"{who} {story}, then exited"
+                f"{who} {story[1]}, then exited"
                 if story
-                else f"{who} exited or crashed (its own log says why)"
+                else f"{who} exited or crashed: {states[gone[0]].why} (its own log says why)"
             )
             account = (
                 f"distgrad: rank {group.rank} {doing} when its connection to {who} closed, "
                 f"{waited:.2f} s into the wait: {why}; this group cannot be used any more"
             )
         elif _lost_connection(error):
-            peer = peers[0] if len(peers) == 1 else None
-            who = f"rank {peer}" if peer is not None else "a peer"
-            # A peer whose own wait timed out closes every connection of the group: say so,
-            # with where it waited, rather than blame a crash (it writes its report just after).
-            story = None
-            for candidate in [peer] if peer is not None else list(peers):
-                story = _peer_timed_out(group, candidate, wait_s=_REPORT_WAIT_S)
-                if story:
-                    who = f"rank {candidate}"
-                    break
-            why = (
-                f"{who} {story} and closed its connections"
-                if story
-                else f"{who}'s process is still running, so it closed the connection itself "
-                "(its own timeout expired, it destroyed the group, or it failed: its own log "
-                "says why)"
-            )
-            account = (
-                f"distgrad: rank {group.rank} {doing} when its connection to {who} closed, "
-                f"{waited:.2f} s into the wait: {why}; this group cannot be used any more"
-            )
+            account = _closed_by_a_live_peer(group, peers, states, doing, waited)
         else:
             account = (
                 f"distgrad: rank {group.rank} {doing} when its {source} backend refused the "
@@ -378,6 +359,54 @@ def annotate(
     original = str(error.args[0]) if error.args else str(error)
     error.args = (f"{account}\n[from {source}] {original}", *error.args[1:])
     return error
+
+
+def _peer_states(group: Group, peers: Sequence[int]) -> dict[int, _alive.Verdict]:
+    """What is known of each of ``peers``' processes (group ranks), asked as an exchange with
+    them failed: resets on their way get 50 ms to arrive (all peers at once), then /proc and
+    the liveness connections answer with no further wait."""
+    if group.pg is None or group.is_nccl or not peers:
+        return {p: _alive.Verdict("unknown", "") for p in peers}
+    _alive.publish()
+    _alive.dead([group.global_rank(p) for p in peers], settle_s=0.05)
+    return {p: _alive.verdict(group.global_rank(p)) for p in peers}
+
+
+def _closed_by_a_live_peer(
+    group: Group, peers: Sequence[int], states: dict[int, _alive.Verdict], doing: str, waited: float
+) -> str:
+    """The account of a connection closed by a peer whose process is not known to be gone.
+
+    A peer whose own wait timed out closes every connection of the group and writes where it
+    waited just after: that report is waited for (up to 1 s) only from peers whose process is
+    known to be running. A peer whose state distgrad cannot know is never said to be running."""
+    running = [p for p in peers if states[p].state == "running"]
+    unknown = [p for p in peers if states[p].state == "unknown"]
+    story = _peer_timed_out(group, running, wait_s=_REPORT_WAIT_S) if running else None
+    if story is None and unknown:
+        story = _peer_timed_out(group, unknown, wait_s=0.0)
+    if story is not None:
+        why = f"rank {story[0]} {story[1]} and closed its connections"
+        who = f"rank {story[0]}"
+    elif running:
+        who = f"rank {running[0]}" if len(peers) == 1 else "a peer"
+        why = (
+            f"{who}'s process is still running, so it closed the connection itself "
+            "(its own timeout expired, it destroyed the group, or it failed: its own log "
+            "says why)"
+        )
+    else:
+        who = f"rank {peers[0]}" if len(peers) == 1 else "a peer"
+        why = (
+            f"distgrad cannot tell whether {who}'s process is still running (it published "
+            "no liveness address it could reach): it exited or crashed, or it closed the "
+            "connection itself (its own timeout expired, it destroyed the group, or it "
+            "failed); its own log says why"
+        )
+    return (
+        f"distgrad: rank {group.rank} {doing} when its connection to {who} closed, "
+        f"{waited:.2f} s into the wait: {why}; this group cannot be used any more"
+    )
 
 
 _CONNECTION_LOST = (
@@ -459,18 +488,20 @@ def _read_report(store: Any, kind: str, global_rank: int) -> tuple[float, str] |
     return float(report["time"]), str(report["what"])
 
 
-def _peer_timed_out(group: Group, peer: int, wait_s: float) -> str | None:
-    """'timed out in <what>, on the group of ...' if ``peer`` reported a recent timeout in the
-    default store, waiting up to ``wait_s`` for the report."""
+def _peer_timed_out(group: Group, peers: Sequence[int], wait_s: float) -> tuple[int, str] | None:
+    """The first of ``peers`` (group ranks) that reported a recent timeout in the default
+    store, with 'timed out in <what>, on the group of ...', waiting up to ``wait_s`` for the
+    reports (all peers at once)."""
     store = _store()
-    if store is None or group.pg is None:
+    if store is None or group.pg is None or not peers:
         return None
     deadline = time.monotonic() + wait_s
     try:
         while True:
-            report = _read_report(store, "timeout", group.global_rank(peer))
-            if report is not None and abs(time.time() - report[0]) < _RECENT_S and report[1]:
-                return report[1]
+            for peer in peers:
+                report = _read_report(store, "timeout", group.global_rank(peer))
+                if report is not None and abs(time.time() - report[0]) < _RECENT_S and report[1]:
+                    return peer, report[1]
             if time.monotonic() >= deadline:
                 return None
             time.sleep(0.05)

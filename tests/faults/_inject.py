@@ -6,12 +6,15 @@ Two ranks run the same training-like loop of one op, forward and backward, with 
 victim, injects a fault at step ``_FAULT_STEP``:
 
 * ``sigkill``: a thread sends the process SIGKILL ``delay`` seconds after the victim enters the
-  faulty pass (``delay`` > 0 lands the kill in the middle of a large transfer);
+  faulty pass (``delay`` > 0 lands the kill in the middle of a large transfer; with
+  ``in_wait`` the victim sleeps instead of making the call, so the kill lands while its peers
+  have waited ``delay`` seconds for it);
 * ``exit``: the same thread calls ``os._exit(3)`` instead;
 * ``raise``: the victim raises at that point (in the backward: from a hook, so autograd stops)
   and ``run_on_ranks`` reports it and exits the process.
 
-The victim writes the time of its fault to a file first. Rank 0, the survivor, runs the loop
+The victim writes the time of its fault to a file first. Rank 0 (and rank 2 on 3 ranks), the
+survivor, runs the loop
 until an exchange fails and returns what it saw (the time, its own pass, the error), so the
 caller computes how long detection took. Both ranks use ``time.time()`` on one machine.
 """
@@ -53,11 +56,13 @@ def ops(world_size: int, rows: int) -> dict[str, Op]:
     """Every op, called as a training loop calls it: sizes given, rank 0 as root."""
     even = [rows] * world_size
     split = [rows // world_size] * world_size
+    # reduce_scatter's pieces add up to the rows whatever the world size (256 rows on 3 ranks)
+    pieces = [*split[:-1], rows - sum(split[:-1])]
     ring = [(r + 1) % world_size for r in range(world_size)]
     return {
         "all_gather": lambda x: dg.all_gather(x, sizes=even),
         "all_reduce": lambda x: dg.all_reduce(x),
-        "reduce_scatter": lambda x: dg.reduce_scatter(x, sizes=split),
+        "reduce_scatter": lambda x: dg.reduce_scatter(x, sizes=pieces),
         "all_to_all": lambda x: dg.all_to_all(x, input_sizes=split, output_sizes=split),
         "permute": lambda x: dg.permute(x, ring, recv_shape=x.shape),
         "broadcast": lambda x: dg.broadcast(x, 0),
@@ -98,6 +103,7 @@ class Fault:
     kind: str = "sigkill"  # or "exit", "raise"
     delay: float = 0.0
     fault_file: str = ""
+    in_wait: bool = False
 
 
 @dataclass(frozen=True)
@@ -111,7 +117,7 @@ class Seen:
 
 
 def run_fault(rank: int, world_size: int, fault: Fault) -> Seen:
-    """The loop on each rank; rank 1 injects ``fault``, rank 0 returns what it saw."""
+    """The loop on each rank; rank 1 injects ``fault``, the others return what they saw."""
     shape = _RING_LARGE if fault.op == "info_nce (ring)" and fault.shape == LARGE else fault.shape
     op = ops(world_size, shape[0])[fault.op]
     gen = torch.Generator().manual_seed(rank)
@@ -153,8 +159,8 @@ def _inject(fault: Fault) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=end, daemon=True).start()
-    if fault.delay == 0:
-        time.sleep(1)  # the thread ends this process before the op starts
+    if fault.delay == 0 or fault.in_wait:
+        time.sleep(fault.delay + 1)  # the thread ends this process before the op starts
 
 
 def _stamp(fault: Fault) -> None:
@@ -163,11 +169,11 @@ def _stamp(fault: Fault) -> None:
 
 
 def inject(
-    fault: Fault, collective_timeout: float, grace: float
+    fault: Fault, collective_timeout: float, grace: float, world_size: int = 2
 ) -> tuple[RankFailedError | None, float | None]:
-    """Run ``fault`` on 2 fresh ranks: the harness's failure (None: no rank failed) and the
-    time of the fault (None: it never happened). The fault's time file is made and removed
-    here."""
+    """Run ``fault`` on ``world_size`` fresh ranks (rank 1 the victim, every other rank a
+    survivor): the harness's failure (None: no rank failed) and the time of the fault (None: it
+    never happened). The fault's time file is made and removed here."""
     handle, path = tempfile.mkstemp(prefix="distgrad-fault-")
     os.close(handle)
     try:
@@ -175,7 +181,7 @@ def inject(
         try:
             run_on_ranks(
                 run_fault,
-                2,
+                world_size,
                 args=(replace(fault, fault_file=path),),
                 timeout=60,
                 collective_timeout=collective_timeout,

@@ -79,3 +79,33 @@ def test_every_op_names_a_peer_killed_inside_a_32_mb_transfer(op: str, where: st
         delay = random.Random(f"{op}{where}{trial}").uniform(0.0, 0.03)
         seen, took, report = survivor_sees(Fault(op, LARGE, where, delay=delay))
         assert_named(seen, took, op, report)
+
+
+# Issue 37: a killed peer was named after 1.03 s (2 ranks) or 2.04 s (3 ranks) and said to be
+# still running: an error asked whether the peer's process ran, took "not seen dead" for
+# "running", and waited 1 s per peer for a timeout report that a dead peer never writes.
+# Measured since: tens of milliseconds (benchmarks/results/faults.md); the bound here is
+# generous for a loaded machine yet far below the 1 s of that regression.
+NAMED_WITHIN_S = 0.6
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("op", ["all_gather", "all_reduce", "reduce_scatter"])
+def test_a_peer_killed_in_the_wait_is_named_dead_in_tens_of_milliseconds(
+    op: str, world_size: int
+) -> None:
+    """Every survivor names rank 1 as exited or crashed, with how it ended where /proc can tell,
+    never as running, well within a second of the kill, at 2 and 3 ranks."""
+    fault = Fault(op, SMALL, "forward", delay=0.1, in_wait=True)
+    failure, fault_at = inject(fault, PG_TIMEOUT_S, DETECTED_WITHIN_S + 1, world_size)
+    assert failure is not None and fault_at is not None, failure
+    survivors = [r for r in range(world_size) if r != 1]
+    for rank in survivors:
+        seen = failure.results.get(rank)
+        assert seen is not None and seen.error_type is not None, f"rank {rank}:\n{failure}"
+        first = seen.message.splitlines()[0]
+        assert seen.when - fault_at < NAMED_WITHIN_S, f"{seen.when - fault_at:.3f} s: {first}"
+        assert first.startswith(f"distgrad: rank {rank} was in the forward of {op}"), first
+        assert "its connection to rank 1 closed" in first, first
+        assert "rank 1 exited or crashed" in first, first
+        assert "still running" not in first and "cannot tell" not in first, first

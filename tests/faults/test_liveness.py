@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from datetime import timedelta
 
 import pytest
@@ -75,3 +76,42 @@ def test_a_refusal_across_machines_is_not_a_death(store: object) -> None:
     store.set("distgrad/alive/4", f"another-machine {here}:{_closed_port()}")  # type: ignore[attr-defined]
     assert _alive.dead([4]) is None
     assert _alive._peers[4] is None and 4 not in _alive._gone
+
+
+def test_a_killed_process_not_yet_reaped_is_gone_with_its_signal(store: object) -> None:
+    """Issue 37: a SIGKILLed peer that its parent has not reaped (a zombie) is gone, with how it
+    ended, even while a socket at its published address still accepts (here the test's own
+    listener stands in for one whose reset has not arrived)."""
+    import signal
+    import subprocess
+    import sys
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        stat = _alive._stat(child.pid)
+        assert stat is not None
+        me = f"{child.pid} {_alive._pid_namespace()} {stat[1]}"
+        address = f"{_alive._machine()} 127.0.0.1:{listener.getsockname()[1]} {me}"
+        store.set("distgrad/alive/6", address)  # type: ignore[attr-defined]
+        assert _alive.verdict(6).state == "running"
+        os.kill(child.pid, signal.SIGKILL)
+        for _ in range(100):  # the kernel ends it within microseconds; /proc shows it so
+            seen = _alive.verdict(6)
+            if seen.state != "running":
+                break
+            time.sleep(0.01)
+        assert seen.state == "gone", seen
+        assert "killed by SIGKILL" in seen.why, seen
+        assert _alive.dead([6]) == (6, seen.why)  # and it stays gone
+    finally:
+        child.kill()
+        child.wait()
+        listener.close()
+
+
+def test_a_peer_that_published_nothing_is_not_said_to_run(store: object) -> None:
+    """A peer distgrad knows nothing of is "unknown", never "running"."""
+    assert _alive.verdict(7).state == "unknown"
