@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from distgrad import _alive
+from distgrad import _alive, _mesh
 from distgrad.errors import CollectiveArgumentError
 
 __all__ = ["Group", "ProcessGroup", "forget_destroyed", "on_forget", "resolve"]
@@ -67,7 +67,8 @@ _resolved: dict[tuple[int, str], Group] = {}
 def resolve(group: object, op: str = "collective") -> Group:
     """Resolve ``group`` (None for the default group) for this process.
 
-    ``op`` names the calling op in the error raised when ``group`` is not a process group.
+    ``group`` may also be a 1-D DeviceMesh or a ``(mesh, dim)`` pair (``distgrad._mesh``).
+    ``op`` names the calling op in the error raised when ``group`` is none of these.
     """
     if group is None:
         if not (dist.is_available() and dist.is_initialized()):
@@ -76,7 +77,7 @@ def resolve(group: object, op: str = "collective") -> Group:
     if group is dist.GroupMember.NON_GROUP_MEMBER:  # what new_group returns to non-members
         raise CollectiveArgumentError(_NOT_A_MEMBER.format(rank=dist.get_rank()))
     if not isinstance(group, ProcessGroup):
-        raise CollectiveArgumentError(_not_a_group(group, op))
+        group = _mesh.process_group(group, op)  # a mesh form, or an error naming every form
     if torch.compiler.is_compiling():
         # Traced once; torch.compile folds these calls into constants.
         return _describe(group)
@@ -108,19 +109,6 @@ _NOT_A_MEMBER = (
     "this process (global rank {rank}) is not a member of the group it passed; every rank "
     "that calls a collective must belong to its group"
 )
-
-
-def _not_a_group(group: object, op: str) -> str:
-    shown = f"{type(group).__name__} {group!r}"
-    hint = ""
-    if isinstance(group, int):
-        hint = (
-            f"; group is {op}'s second positional argument (as in torch.distributed): to pick a "
-            f"dim, pass dim={group}"
-        )
-    elif isinstance(group, list | tuple):
-        hint = f"; make a group of these ranks with torch.distributed.new_group({list(group)!r})"
-    return f"{op}: group must be a torch.distributed ProcessGroup or None, got {shown}{hint}"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from tests.import_graph import (
 LAYERS: Layers = [
     # Standard library and torch only: the error tree, liveness sockets, op definitions.
     [["distgrad.errors"], ["distgrad._alive"], ["distgrad._library"]],
+    [["distgrad._mesh"]],  # groups from device meshes; DTensors refused at the door
     [["distgrad._group"]],  # groups, ranks, sizes; forgetting destroyed groups
     [["distgrad._wait"]],  # how a rank waits: ticks, dead peers, errors that say where
     # The data guard past the checked calls: tags that travel in the data's own buffers.

@@ -38,6 +38,7 @@ from torch import Tensor
 
 from distgrad import _comm, _ops
 from distgrad._group import Group, ProcessGroup, on_forget, resolve
+from distgrad._mesh import dtensor_problem
 from distgrad._meta import (
     RankCall,
     debug_enabled,
@@ -377,6 +378,8 @@ def sizes_from(
 
 def _tensor_problem(x: object, tensor_on: str) -> str | None:
     if isinstance(x, Tensor):
+        if type(x) is not Tensor and (refused := dtensor_problem(x)) is not None:
+            return refused  # what to call instead of torch's dispatch error
         return dtype_problem(x.dtype)
     if x is None and tensor_on == "some":
         return None
