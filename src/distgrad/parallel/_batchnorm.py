@@ -21,7 +21,10 @@ from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from distgrad._group import ProcessGroup, resolve
+from distgrad._mesh import GroupLike
 from distgrad.collectives.all_gather import all_gather
+from distgrad.errors import CollectiveArgumentError
+from distgrad.parallel._checks import as_process_group, refuse, refuse_dtensors
 
 __all__ = ["SyncBatchNorm", "sync_batch_norm"]
 
@@ -52,7 +55,7 @@ def sync_batch_norm(
     running_var: Tensor | None,
     weight: Tensor | None = None,
     bias: Tensor | None = None,
-    group: ProcessGroup | None = None,
+    group: GroupLike = None,
     *,
     training: bool = True,
     momentum: float = 0.1,
@@ -74,20 +77,23 @@ def sync_batch_norm(
     rank back-propagates N times its share).
 
     Communication: training forward 1 all_gather of ``2C + 1`` values per rank, backward 1
-    reduce_scatter of ``[N, 2C + 1]``; evaluation none. Raises ``ValueError`` (after the
-    exchange, on every rank) when the ranks hold one value per channel in all.
+    reduce_scatter of ``[N, 2C + 1]``; evaluation none. Raises ``CollectiveArgumentError`` (a
+    ``ValueError``; after the exchange, on every rank) when the ranks hold one value per
+    channel in all.
     """
+    refuse_dtensors("sync_batch_norm", x=x)
     if x.dim() < 2:
-        raise ValueError(f"sync_batch_norm: x must be [batch, channels, ...], got {tuple(x.shape)}")
+        raise refuse("sync_batch_norm", f"x must be [batch, channels, ...], got {tuple(x.shape)}")
     if not training:
         return torch.nn.functional.batch_norm(
             x, running_mean, running_var, weight, bias, False, 0.0, eps
         )
-    mean, var, n = _global_stats(x, group)
+    mean, var, n = _global_stats(x, as_process_group(group, "sync_batch_norm"))
     if not torch.compiler.is_compiling() and int(n.item()) <= 1:
-        raise ValueError(
-            "sync_batch_norm: expected more than 1 value per channel over all ranks when "
-            f"training, got {int(n.item())} (input shape {tuple(x.shape)} on this rank)"
+        raise refuse(
+            "sync_batch_norm",
+            "expected more than 1 value per channel over all ranks when "
+            f"training, got {int(n.item())} (input shape {tuple(x.shape)} on this rank)",
         )
     if running_mean is not None and running_var is not None:
         with torch.no_grad():
@@ -110,9 +116,10 @@ class SyncBatchNorm(_BatchNorm):
     device and backend (gloo on CPU included), uneven and empty per-rank batches allowed.
 
     Same arguments, parameters, buffers and state dict as torch's batch norm layers (and
-    ``torch.nn.SyncBatchNorm``); ``momentum=None`` keeps a cumulative average, as torch does.
-    Gradient, communication and errors: :func:`sync_batch_norm`. :meth:`convert` swaps every
-    batch norm layer of a model for this one.
+    ``torch.nn.SyncBatchNorm``: ``process_group=``, ``bias=``, :meth:`convert_sync_batchnorm`);
+    ``momentum=None`` keeps a cumulative average, as torch does. ``process_group`` takes any
+    form of ``group=`` (a DeviceMesh dim included); ``group=`` and :meth:`convert` are kept as
+    aliases. Gradient, communication and errors: :func:`sync_batch_norm`.
     """
 
     def __init__(
@@ -122,17 +129,29 @@ class SyncBatchNorm(_BatchNorm):
         momentum: float | None = 0.1,
         affine: bool = True,
         track_running_stats: bool = True,
-        group: ProcessGroup | None = None,
+        process_group: GroupLike = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        *,
+        bias: bool = True,
+        group: GroupLike = None,
     ) -> None:
-        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
-        self.group = group
+        super().__init__(
+            num_features, eps, momentum, affine, track_running_stats, device, dtype, bias=bias
+        )
+        self.process_group = as_process_group(
+            _one_group(process_group, group, "SyncBatchNorm"), "SyncBatchNorm"
+        )
+
+    @property
+    def group(self) -> ProcessGroup | None:
+        """The group, as ``process_group`` (distgrad's earlier name for it)."""
+        return self.process_group
 
     def _check_input_dim(self, input: Tensor) -> None:
         if input.dim() < 2:
-            raise ValueError(
-                f"SyncBatchNorm: expected an input of at least 2 dims, got {input.dim()}"
+            raise refuse(
+                "SyncBatchNorm", f"expected an input of at least 2 dims, got {input.dim()}"
             )
 
     def forward(self, input: Tensor) -> Tensor:
@@ -150,16 +169,19 @@ class SyncBatchNorm(_BatchNorm):
             self.running_var if use_running else None,
             self.weight,
             self.bias,
-            self.group,
+            self.process_group,
             training=training,
             momentum=factor,
             eps=self.eps,
         )
 
     @classmethod
-    def convert(cls, module: torch.nn.Module, group: ProcessGroup | None = None) -> torch.nn.Module:
-        """Return ``module`` with every ``torch.nn.BatchNorm*d`` (and ``SyncBatchNorm``) inside
-        replaced by this class, parameters and buffers carried over (shared, not copied)."""
+    def convert_sync_batchnorm(
+        cls, module: torch.nn.Module, process_group: GroupLike = None
+    ) -> torch.nn.Module:
+        """Return ``module`` with every ``torch.nn.BatchNorm*d`` (and ``torch.nn.SyncBatchNorm``)
+        inside replaced by this class, parameters and buffers carried over (shared, not copied),
+        as ``torch.nn.SyncBatchNorm.convert_sync_batchnorm`` does."""
         if isinstance(module, _BatchNorm) and not isinstance(module, cls):
             new = cls(
                 module.num_features,
@@ -167,13 +189,34 @@ class SyncBatchNorm(_BatchNorm):
                 module.momentum,
                 module.affine,
                 module.track_running_stats,
-                group,
+                process_group,
+                bias=module.bias is not None,
             )
-            new.weight, new.bias = module.weight, module.bias
+            if module.affine:
+                new.weight, new.bias = module.weight, module.bias
             new.running_mean, new.running_var = module.running_mean, module.running_var
             new.num_batches_tracked = module.num_batches_tracked
             new.train(module.training)
+            if hasattr(module, "qconfig"):
+                new.qconfig = module.qconfig
             return new
         for name, child in module.named_children():
-            module.add_module(name, cls.convert(child, group))
+            module.add_module(name, cls.convert_sync_batchnorm(child, process_group))
         return module
+
+    @classmethod
+    def convert(
+        cls, module: torch.nn.Module, group: GroupLike = None, *, process_group: GroupLike = None
+    ) -> torch.nn.Module:
+        """:meth:`convert_sync_batchnorm` under distgrad's earlier name (``group`` for
+        ``process_group``)."""
+        return cls.convert_sync_batchnorm(module, _one_group(process_group, group, "convert"))
+
+
+def _one_group(process_group: GroupLike, group: GroupLike, op: str) -> GroupLike:
+    """``process_group`` (torch's name) or ``group`` (distgrad's earlier one), not both."""
+    if process_group is not None and group is not None:
+        raise CollectiveArgumentError(
+            f"{op}: pass process_group (torch's name) or group (its alias), not both"
+        )
+    return group if process_group is None else process_group

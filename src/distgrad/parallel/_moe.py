@@ -15,24 +15,29 @@ A step is three calls::
 
 The decision is the same whether the batch sits on one process or is sharded in rank order,
 so the distributed layer equals the single-process one: an expert with ``capacity`` keeps the
-first ``capacity`` assignments of the *global* batch (token order, then choice order; a
-token's second choice can take a place before a later token's first), which takes one small
-exchange of every rank's per-expert counts.
+first ``capacity`` assignments of the *global* batch, in token order (a token's second choice
+can take a place before a later token's first) or, with ``order="choice"``, GShard's order
+(every first choice before any second), which takes one small exchange of every rank's
+per-expert counts. A decision made elsewhere (``route(experts=..., weights=...)``) goes
+through the same capacity rule, or keeps what its ``kept`` mask says.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from distgrad._group import Group, ProcessGroup, resolve
+from distgrad._mesh import GroupLike
 from distgrad.collectives._common import near_even
 from distgrad.collectives.all_gather import all_gather
 from distgrad.collectives.all_to_all import all_to_all
+from distgrad.parallel._checks import as_process_group, refuse, refuse_dtensors
 
 __all__ = ["Routing", "combine", "dispatch", "route"]
 
@@ -71,67 +76,184 @@ def _split_experts(num_experts: int, size: int, given: Sequence[int] | None) -> 
         return near_even(num_experts, size)
     given = list(given)
     if len(given) != size or sum(given) != num_experts or min(given) < 0:
-        raise ValueError(
-            f"route: experts_per_rank must give each of the {size} ranks its number of "
-            f"experts (non-negative, adding up to the {num_experts} experts, the logits' last "
-            f"dim), got {given}"
+        raise refuse(
+            "route",
+            f"experts_per_rank must give each of the {size} ranks its number of experts "
+            f"(non-negative, adding up to the {num_experts} experts), got {given}",
         )
     return given
 
 
+Order = Literal["token", "choice"]
+
+
 def route(
-    logits: Tensor,
+    logits: Tensor | None = None,
     k: int = 1,
-    group: ProcessGroup | None = None,
+    group: GroupLike = None,
     *,
     capacity: int | None = None,
     experts_per_rank: Sequence[int] | None = None,
     normalize: bool = True,
+    order: Order = "token",
+    experts: Tensor | None = None,
+    weights: Tensor | None = None,
+    kept: Tensor | None = None,
+    num_experts: int | None = None,
 ) -> Routing:
-    """Choose ``k`` experts per token from router ``logits`` ``[T_r, E]`` (this rank's tokens).
+    """Choose ``k`` experts per token from router ``logits`` ``[T_r, E]`` (this rank's tokens),
+    or take a decision made elsewhere (``experts=``).
 
     Gate weights are the softmax over all ``E`` experts of each token's logits, taken at its
     top ``k`` (renormalised to sum to 1 over the ``k`` when ``normalize``). ``capacity``: the
     most assignments an expert takes from the whole global batch (``None``: no limit); the
-    first ones in global order are kept (every rank's tokens in rank order, each token's
-    choices in order), the rest dropped. ``experts_per_rank``: ``E_r`` for every rank
-    (default: as even as possible, larger first; a rank may hold none). ``logits`` is not
-    modified.
+    first ones in the global ``order`` are kept, the rest dropped:
+
+    * ``"token"`` (default): every rank's tokens in rank order, each token's choices in order
+      (a token's second choice goes ahead of a later token's first);
+    * ``"choice"`` (GShard's and DeepSpeed's rule): every token's first choice, in global token
+      order, before any second choice, and so on.
+
+    ``experts_per_rank``: ``E_r`` for every rank (default: as even as possible, larger first; a
+    rank may hold none). ``logits`` is not modified.
+
+    A decision made by your own router: ``experts`` ``[T_r, k]`` (global expert ids, int64) and
+    ``weights`` ``[T_r, k]`` (the gate weights, differentiable; default ones), with
+    ``num_experts`` (``E``) and without ``logits``. Either ``capacity`` and ``order`` decide
+    what is kept, as above, or ``kept`` ``[T_r, k]`` (bool) says it (then no ``capacity``).
 
     Gradient: through ``Routing.weights`` only (the choice itself is not differentiable).
 
-    Communication: 1 all_gather of every rank's per-expert counts (``E`` int64 each), read on
-    the host: the split sizes change every step.
+    Communication: 1 all_gather of every rank's per-expert counts (``E`` int64 each; ``k E``
+    with ``order="choice"``), read on the host: the split sizes change every step.
     """
-    if logits.dim() != 2:
-        raise ValueError(
-            f"route: logits must be [tokens, experts], got shape {tuple(logits.shape)}"
-        )
-    num_experts = logits.shape[1]
-    if not 1 <= k <= num_experts:
-        raise ValueError(f"route: k must be between 1 and the {num_experts} experts, got {k}")
-    if capacity is not None and capacity < 0:
-        raise ValueError(f"route: capacity must be None or at least 0, got {capacity}")
+    if order not in ("token", "choice"):
+        raise refuse("route", f"order must be 'token' or 'choice', got {order!r}")
+    if capacity is not None and (not isinstance(capacity, int) or capacity < 0):
+        raise refuse("route", f"capacity must be None or at least 0, got {capacity!r}")
+    refuse_dtensors("route", logits=logits, experts=experts, weights=weights, kept=kept)
+    if experts is None:
+        top_e, top_w, num_experts = _top_k(logits, k, normalize, num_experts, weights, kept)
+    else:
+        top_e, top_w, num_experts = _given(logits, experts, weights, kept, num_experts, capacity)
+    group = as_process_group(group, "route")
     g = resolve(group, "route")
     split = _split_experts(num_experts, g.size, experts_per_rank)
+    hits = F.one_hot(top_e, num_experts)  # [T_r, k, E]
+    if kept is not None:
+        counts = (hits * kept[..., None]).sum((0, 1))  # [E] kept assignments per expert
+        kept_table = all_gather(counts[None], group, sizes=[1] * g.size).cpu()  # [N, E]
+        kept = kept.clone()
+    elif order == "token":
+        kept, kept_table = _token_order(g, group, top_e, hits, capacity)
+    else:
+        kept, kept_table = _choice_order(g, group, top_e, hits, capacity)
+    flat = top_e.reshape(-1)  # [T_r k]: token-major, then choice
+    chosen = torch.nonzero(kept.reshape(-1)).squeeze(1)
+    sent = chosen[torch.argsort(flat[chosen], stable=True)]  # kept, grouped by expert
+    return _plan(g, group, split, top_e, kept, sent, top_w, kept_table)
+
+
+def _top_k(
+    logits: Tensor | None,
+    k: int,
+    normalize: bool,
+    num_experts: int | None,
+    weights: Tensor | None,
+    kept: Tensor | None,
+) -> tuple[Tensor, Tensor, int]:
+    if logits is None:
+        raise refuse(
+            "route", "pass logits [tokens, experts], or a decision made elsewhere: experts="
+        )
+    if weights is not None or kept is not None or num_experts is not None:
+        raise refuse(
+            "route",
+            "weights=, kept= and num_experts= go with experts= (a decision made "
+            "elsewhere), not with logits",
+        )
+    if logits.dim() != 2:
+        raise refuse("route", f"logits must be [tokens, experts], got shape {tuple(logits.shape)}")
+    num_experts = logits.shape[1]
+    if not isinstance(k, int) or not 1 <= k <= num_experts:
+        raise refuse("route", f"k must be between 1 and the {num_experts} experts, got {k!r}")
     gates = torch.softmax(logits, dim=-1)
     top_w, top_e = gates.topk(k, dim=-1)  # [T_r, k]
     if normalize:
         top_w = top_w / top_w.sum(-1, keepdim=True)
-    flat = top_e.reshape(-1)  # [T_r k]: token-major, then choice
-    hits = F.one_hot(flat, num_experts)  # [T_r k, E]
-    counts = hits.sum(0)  # [E] assignments per expert on this rank
+    return top_e, top_w, num_experts
+
+
+def _given(
+    logits: Tensor | None,
+    experts: Tensor,
+    weights: Tensor | None,
+    kept: Tensor | None,
+    num_experts: int | None,
+    capacity: int | None,
+) -> tuple[Tensor, Tensor, int]:
+    if logits is not None:
+        raise refuse("route", "pass logits or experts= (a decision made elsewhere), not both")
+    if not isinstance(num_experts, int) or num_experts < 1:
+        raise refuse("route", f"experts= needs num_experts= (E, at least 1), got {num_experts!r}")
+    if experts.dim() != 2 or experts.dtype not in (torch.int64, torch.int32):
+        raise refuse(
+            "route",
+            "experts must be [tokens, k] integer expert ids, got "
+            f"{experts.dtype} of shape {tuple(experts.shape)}",
+        )
+    if experts.numel() and not bool(((experts >= 0) & (experts < num_experts)).all()):
+        raise refuse("route", f"experts must be expert ids in [0, {num_experts}), got {experts}")
+    shape = tuple(experts.shape)
+    if weights is None:
+        weights = torch.ones(shape, device=experts.device)
+    if tuple(weights.shape) != shape:
+        raise refuse("route", f"weights must be {shape} like experts, got {tuple(weights.shape)}")
+    if kept is not None and (tuple(kept.shape) != shape or kept.dtype != torch.bool):
+        raise refuse(
+            "route",
+            f"kept must be a bool tensor of shape {shape} like experts, got {kept.dtype} of "
+            f"shape {tuple(kept.shape)}",
+        )
+    if kept is not None and capacity is not None:
+        raise refuse("route", "pass kept= (what is kept, decided) or capacity=, not both")
+    return experts.long(), weights, num_experts
+
+
+def _token_order(
+    g: Group, group: ProcessGroup | None, top_e: Tensor, hits: Tensor, capacity: int | None
+) -> tuple[Tensor, Tensor]:
+    """Capacity in token-major global order; (kept [T_r, k], kept table [N, E])."""
+    flat = top_e.reshape(-1)
+    flat_hits = hits.reshape(-1, hits.shape[-1])  # [T_r k, E]
+    counts = flat_hits.sum(0)  # [E] assignments per expert on this rank
     # table[s, e]: rank s's assignments to expert e; one exchange gives every rank the sizes.
     table = all_gather(counts[None], group, sizes=[1] * g.size).cpu()  # [N, E]
     before = table.cumsum(0) - table  # [N, E]: assignments from earlier ranks
     limit = int(table.sum()) if capacity is None else capacity
     kept_table = (limit - before).clamp(0, None).minimum(table)  # [N, E]
-    place = (hits.cumsum(0) - 1).gather(1, flat[:, None]).squeeze(1)  # rank among this rank's
+    place = (flat_hits.cumsum(0) - 1).gather(1, flat[:, None]).squeeze(1)  # among this rank's
     place = place + before[g.rank].to(flat.device)[flat]  # ... and in the global order
-    kept = place < limit
-    chosen = torch.nonzero(kept).squeeze(1)
-    order = chosen[torch.argsort(flat[chosen], stable=True)]  # kept, grouped by expert
-    return _plan(g, group, split, top_e, kept.view_as(top_e), order, top_w, kept_table)
+    return (place < limit).view_as(top_e), kept_table
+
+
+def _choice_order(
+    g: Group, group: ProcessGroup | None, top_e: Tensor, hits: Tensor, capacity: int | None
+) -> tuple[Tensor, Tensor]:
+    """Capacity in choice-major global order (GShard): every first choice of the global batch,
+    in token order, before any second choice; (kept [T_r, k], kept table [N, E])."""
+    k, num_experts = hits.shape[1], hits.shape[2]
+    counts = hits.sum(0)  # [k, E]: this rank's assignments per choice and expert
+    table = all_gather(counts.reshape(1, -1), group, sizes=[1] * g.size).cpu()
+    blocks = table.view(g.size, k, num_experts).transpose(0, 1)  # [k, N, E], global order
+    flat_blocks = blocks.reshape(k * g.size, num_experts)
+    start = (flat_blocks.cumsum(0) - flat_blocks).view(k, g.size, num_experts)
+    limit = int(table.sum()) if capacity is None else capacity
+    kept_table = (limit - start).clamp(0, None).minimum(blocks).sum(0)  # [N, E]
+    local = (hits.cumsum(0) - 1).gather(2, top_e[..., None]).squeeze(2)  # [T_r, k]
+    mine = start[:, g.rank, :].to(top_e.device)  # [k, E]
+    place = local + mine.gather(1, top_e.T.contiguous()).T
+    return place < limit, kept_table
 
 
 def _plan(
@@ -185,6 +307,7 @@ def dispatch(x: Tensor, routing: Routing) -> Tensor:
     Communication: forward 1 all_to_all of [A_r, D] with the routing's sizes (no size
     exchange); backward 1 all_to_all of [R_r, D].
     """
+    refuse_dtensors("dispatch", x=x)
     rows = x.index_select(0, routing.tokens)  # [A_r, D], by destination expert
     got = all_to_all(
         rows, routing.group, input_sizes=routing.send_sizes, output_sizes=routing.recv_sizes
@@ -209,10 +332,12 @@ def combine(y: Tensor, routing: Routing) -> Tensor:
     Communication: forward 1 all_to_all of [R_r, D_out]; backward 1 all_to_all of
     [A_r, D_out].
     """
+    refuse_dtensors("combine", y=y)
     if y.shape[0] != routing.by_expert.shape[0]:
-        raise ValueError(
-            f"combine: y must have the {routing.by_expert.shape[0]} rows dispatch returned "
-            f"on this rank, got {y.shape[0]}"
+        raise refuse(
+            "combine",
+            f"y must have the {routing.by_expert.shape[0]} rows dispatch returned on this "
+            f"rank, got {y.shape[0]}",
         )
     if y.shape[0] == 0 and routing.dispatched:
         # No rows here (a rank that holds no experts, or whose experts got no tokens): an

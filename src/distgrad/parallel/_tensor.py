@@ -33,9 +33,11 @@ from torch import Tensor, nn
 from torch.autograd.function import FunctionCtx
 
 from distgrad._group import ProcessGroup, resolve
+from distgrad._mesh import GroupLike
 from distgrad.collectives._common import near_even
 from distgrad.collectives.all_gather import all_gather, reduce_scatter
 from distgrad.collectives.all_reduce import all_reduce
+from distgrad.parallel._checks import as_process_group, refuse, refuse_dtensors
 
 __all__ = [
     "ColumnParallelLinear",
@@ -67,7 +69,7 @@ class _CopyToRegion(torch.autograd.Function):
         return reduce_from_region(grad, ctx.group), None
 
 
-def copy_to_region(x: Tensor, group: ProcessGroup | None = None) -> Tensor:
+def copy_to_region(x: Tensor, group: GroupLike = None) -> Tensor:
     """Enter a tensor-parallel region with a replicated ``x`` (Megatron's "f").
 
     Returns ``x`` unchanged (a view). Use it under the replicated contract only: every rank
@@ -79,10 +81,11 @@ def copy_to_region(x: Tensor, group: ProcessGroup | None = None) -> Tensor:
 
     Communication: forward none; backward 1 all_reduce of ``x``'s shape.
     """
-    return _CopyToRegion.apply(x, group)  # type: ignore[no-untyped-call,no-any-return]
+    refuse_dtensors("copy_to_region", x=x)
+    return _CopyToRegion.apply(x, as_process_group(group, "copy_to_region"))  # type: ignore[no-untyped-call,no-any-return]
 
 
-def reduce_from_region(x: Tensor, group: ProcessGroup | None = None) -> Tensor:
+def reduce_from_region(x: Tensor, group: GroupLike = None) -> Tensor:
     """Leave a tensor-parallel region: sum the ranks' partial results (Megatron's "g").
 
     Under the replicated contract: every rank computes the same loss from the sum, which
@@ -93,20 +96,24 @@ def reduce_from_region(x: Tensor, group: ProcessGroup | None = None) -> Tensor:
 
     Communication: forward 1 all_reduce of ``x``; backward none.
     """
+    refuse_dtensors("reduce_from_region", x=x)
+    group = as_process_group(group, "reduce_from_region")
     return all_reduce(x, "sum", group, objective="replicated")
 
 
 def gather_from_sequence(
     x: Tensor,
-    group: ProcessGroup | None = None,
+    group: GroupLike = None,
     *,
     sizes: Sequence[int] | None = None,
     objective: Objective = "sum",
+    dim: int = 0,
 ) -> Tensor:
     """Leave a sequence-parallel region: concatenate every rank's rows (dim 0) in rank order.
 
     ``sizes`` is every rank's row count ``T_r`` (uneven allowed); without it the ranks
-    exchange their counts first.
+    exchange their counts first. ``dim``: another dim to concatenate along (-1: a
+    tensor-parallel output's features, Megatron's gather along the last dim).
 
     Gradient: under ``objective="sum"``, the reduce-scatter of the gradient: each rank
     receives, for its own rows, the sum over ranks of their gradients (the adjoint of
@@ -118,44 +125,50 @@ def gather_from_sequence(
     Communication: forward 1 all_gather of [T_r, ...]; backward 1 reduce_scatter of [T, ...]
     under ``"sum"``, none under ``"replicated"``.
     """
-    _objective_problem(objective)
-    return all_gather(x, group, dim=0, sizes=sizes, objective=objective)
+    _objective_problem(objective, "gather_from_sequence")
+    refuse_dtensors("gather_from_sequence", x=x)
+    group = as_process_group(group, "gather_from_sequence")
+    return all_gather(x, group, dim=dim, sizes=sizes, objective=objective)
 
 
 class _SplitReplicated(torch.autograd.Function):
-    """Megatron's scatter to the sequence-parallel region: keep this rank's rows forward; the
-    backward gathers every rank's row gradients, so each rank holds the whole gradient."""
+    """Megatron's scatter to a parallel region: keep this rank's slice along ``dim`` forward;
+    the backward gathers every rank's slice gradients, so each rank holds the whole gradient."""
 
     @staticmethod
     def forward(
-        ctx: FunctionCtx, x: Tensor, sizes: tuple[int, ...], rank: int, group: ProcessGroup | None
+        ctx: FunctionCtx,
+        x: Tensor,
+        sizes: tuple[int, ...],
+        rank: int,
+        group: ProcessGroup | None,
+        dim: int,
     ) -> Tensor:
-        ctx.sizes, ctx.group = sizes, group  # type: ignore[attr-defined]
-        return x.narrow(0, sum(sizes[:rank]), sizes[rank]).clone()
+        ctx.sizes, ctx.group, ctx.dim = sizes, group, dim  # type: ignore[attr-defined]
+        return x.narrow(dim, sum(sizes[:rank]), sizes[rank]).clone()
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None, None]:
         # The partner op, so double backward follows the same contract.
-        return (
-            gather_from_sequence(grad, ctx.group, sizes=ctx.sizes, objective="replicated"),
-            None,
-            None,
-            None,
+        whole = gather_from_sequence(
+            grad, ctx.group, sizes=ctx.sizes, objective="replicated", dim=ctx.dim
         )
+        return whole, None, None, None, None
 
 
 def split_to_sequence(
     x: Tensor,
-    group: ProcessGroup | None = None,
+    group: GroupLike = None,
     *,
     sizes: Sequence[int] | None = None,
     objective: Objective = "sum",
+    dim: int = 0,
 ) -> Tensor:
     """Enter a sequence-parallel region from a tensor every rank holds whole: keep this rank's
-    rows (dim 0).
+    rows (dim 0, or ``dim``: -1 splits the features, Megatron's scatter along the last dim).
 
-    ``sizes`` is every rank's row count (default: an even split, which needs ``x.shape[0]`` to
-    divide by the group size).
+    ``sizes`` is every rank's row count (default: an even split, which needs ``x.shape[dim]``
+    to divide by the group size).
 
     Gradient: under ``objective="sum"`` the gradient of this rank's rows, zeros elsewhere (a
     slice: each rank's part of a replicated tensor; the collective that replicated ``x`` sums
@@ -165,31 +178,37 @@ def split_to_sequence(
     Communication: forward none; backward none under ``"sum"``, 1 all_gather of [T_r, ...]
     under ``"replicated"``.
     """
-    _objective_problem(objective)
+    _objective_problem(objective, "split_to_sequence")
+    refuse_dtensors("split_to_sequence", x=x)
+    group = as_process_group(group, "split_to_sequence")
     g = resolve(group, "split_to_sequence")
-    rows = x.shape[0] if x.dim() else 0
+    if not -max(x.dim(), 1) <= dim < max(x.dim(), 1):
+        raise refuse("split_to_sequence", f"dim must be a dim of x {tuple(x.shape)}, got {dim}")
+    rows = x.shape[dim] if x.dim() else 0
     if sizes is None:
         if rows % g.size:
-            raise ValueError(
-                f"split_to_sequence: {rows} rows do not split evenly over {g.size} ranks; "
-                "pass sizes= (every rank's row count)"
+            raise refuse(
+                "split_to_sequence",
+                f"{rows} rows do not split evenly over {g.size} ranks; pass sizes= (every "
+                "rank's row count)",
             )
         sizes = [rows // g.size] * g.size
     if len(sizes) != g.size or sum(sizes) != rows or min(sizes) < 0:
-        raise ValueError(
-            f"split_to_sequence: sizes must give each of the {g.size} ranks its row count "
-            f"(non-negative, adding up to the {rows} rows of x), got {list(sizes)}"
+        raise refuse(
+            "split_to_sequence",
+            f"sizes must give each of the {g.size} ranks its row count (non-negative, adding "
+            f"up to the {rows} rows of x), got {list(sizes)}",
         )
     if objective == "replicated" and g.size > 1:
-        return _SplitReplicated.apply(x, tuple(sizes), g.rank, group)  # type: ignore[no-untyped-call,no-any-return]
-    return x.narrow(0, sum(sizes[: g.rank]), sizes[g.rank])
+        return _SplitReplicated.apply(x, tuple(sizes), g.rank, group, dim)  # type: ignore[no-untyped-call,no-any-return]
+    return x.narrow(dim, sum(sizes[: g.rank]), sizes[g.rank])
 
 
 def reduce_scatter_to_sequence(
-    x: Tensor, group: ProcessGroup | None = None, *, sizes: Sequence[int] | None = None
+    x: Tensor, group: GroupLike = None, *, sizes: Sequence[int] | None = None, dim: int = 0
 ) -> Tensor:
     """Enter a sequence-parallel region: sum the ranks' partial [T, ...] results and keep this
-    rank's rows.
+    rank's rows (dim 0, or ``dim``).
 
     ``sizes`` is every rank's row count ``T_r`` (default: an even split of ``T``).
 
@@ -198,23 +217,27 @@ def reduce_scatter_to_sequence(
 
     Communication: forward 1 reduce_scatter of [T, ...]; backward 1 all_gather of [T_r, ...].
     """
-    return reduce_scatter(x, "sum", group, dim=0, sizes=sizes)
+    refuse_dtensors("reduce_scatter_to_sequence", x=x)
+    group = as_process_group(group, "reduce_scatter_to_sequence")
+    return reduce_scatter(x, "sum", group, dim=dim, sizes=sizes)
 
 
-def _objective_problem(objective: object) -> None:
+def _objective_problem(objective: object, op: str) -> None:
     if objective not in ("sum", "replicated"):
-        raise ValueError(f"objective must be 'sum' or 'replicated', got {objective!r}")
+        raise refuse(op, f"objective must be 'sum' or 'replicated', got {objective!r}")
 
 
 def column_parallel_linear(
     x: Tensor,
     weight: Tensor,
     bias: Tensor | None = None,
-    group: ProcessGroup | None = None,
+    group: GroupLike = None,
     *,
     sequence_parallel: bool = False,
     sizes: Sequence[int] | None = None,
     objective: Objective = "sum",
+    gather_output: bool = False,
+    splits: Sequence[int] | None = None,
 ) -> Tensor:
     """``x @ weight.T + bias`` with this rank's ``H_r`` output features of a split linear layer.
 
@@ -222,56 +245,88 @@ def column_parallel_linear(
     ``[H_r]`` entries. Without ``sequence_parallel``, ``x`` is the whole input ``[..., D_in]``,
     the same on every rank; with it, ``x`` is this rank's ``T_r`` rows (dim 0), gathered first
     (``sizes``: every rank's ``T_r``; without it the ranks exchange their counts). The result,
-    ``[..., H_r]``, feeds :func:`row_parallel_linear`. ``x`` is not modified.
+    ``[..., H_r]``, feeds :func:`row_parallel_linear`; with ``gather_output`` (Megatron's
+    option) every rank's features are gathered along the last dim into the whole
+    ``[..., H]`` (``splits``: every rank's ``H_r``; without it the ranks exchange them). ``x``
+    is not modified.
 
     Gradient: ``weight`` and ``bias`` get their whole gradient on this rank (no other rank
     holds them). ``x``: with ``sequence_parallel``, every rank's partial gradient of the
     gathered rows is reduce-scattered back to the rows' owners; otherwise, under
     ``objective="sum"``, this rank's partial gradient (the collective that replicated ``x``
     sums the partials in its backward), and under ``"replicated"`` (Megatron's f) their sum
-    over ranks.
+    over ranks. The gathered output's gradient: under ``"sum"`` each rank's features get the
+    sum over ranks of their gradients (all_gather's adjoint), under ``"replicated"`` this
+    rank's slice of its own (Megatron's: every rank holds the same loss).
 
     Communication: forward 1 all_gather of [T_r, D_in] with ``sequence_parallel``, else none;
     backward 1 reduce_scatter of [T, D_in] with ``sequence_parallel``, 1 all_reduce of
-    ``x`` under ``"replicated"``, else none.
+    ``x`` under ``"replicated"``, else none. ``gather_output`` adds 1 all_gather of
+    [..., H_r] forward and, under ``"sum"``, 1 reduce_scatter of [..., H] backward.
     """
-    _objective_problem(objective)
+    op = "column_parallel_linear"
+    _objective_problem(objective, op)
+    refuse_dtensors(op, x=x, weight=weight, bias=bias)
+    group = as_process_group(group, op)
+    if sequence_parallel and gather_output:
+        raise refuse(
+            op,
+            "gather_output needs the whole input on every rank, not sequence_parallel (as "
+            "in Megatron): gather the rows after the layer with gather_from_sequence",
+        )
     if sequence_parallel:
         x = gather_from_sequence(x, group, sizes=sizes)
     elif objective == "replicated":
         x = copy_to_region(x, group)
-    return F.linear(x, weight, bias)
+    y = F.linear(x, weight, bias)
+    if gather_output:
+        y = all_gather(y, group, dim=-1, sizes=splits, objective=objective)
+    return y
 
 
 def row_parallel_linear(
     x: Tensor,
     weight: Tensor,
     bias: Tensor | None = None,
-    group: ProcessGroup | None = None,
+    group: GroupLike = None,
     *,
     sequence_parallel: bool = False,
     sizes: Sequence[int] | None = None,
     objective: Objective = "sum",
+    input_is_parallel: bool = True,
+    splits: Sequence[int] | None = None,
 ) -> Tensor:
     """``x @ weight.T + bias`` of a linear layer whose input features are split over the ranks.
 
     ``x`` is this rank's ``[..., H_r]`` features (the output of
     :func:`column_parallel_linear`), ``weight`` its columns of the full weight,
     ``[D_out, H_r]``; ``bias`` ``[D_out]`` is whole on every rank and added once, after the
-    sum. Without ``sequence_parallel`` the result ``[..., D_out]`` is the same on every rank;
-    with it, each rank keeps its ``T_r`` rows (``sizes``; default an even split). ``x`` is not
-    modified.
+    sum. With ``input_is_parallel=False`` (Megatron's option) ``x`` is the whole
+    ``[..., H]``, the same on every rank, and each rank keeps its ``H_r`` features first
+    (``splits``: every rank's ``H_r``, default as even as possible, larger first). Without
+    ``sequence_parallel`` the result ``[..., D_out]`` is the same on every rank; with it, each
+    rank keeps its ``T_r`` rows (``sizes``; default an even split). ``x`` is not modified.
 
-    Gradient: ``x`` and ``weight`` get their whole gradient on this rank; ``bias`` gets this
+    Gradient: ``x`` and ``weight`` get their whole gradient on this rank (a whole ``x``: its
+    features' slice under ``"sum"``, the collective that replicated it sums the slices; every
+    rank's slices gathered under ``"replicated"``, Megatron's scatter); ``bias`` gets this
     rank's part under ``objective="sum"`` and with ``sequence_parallel`` (sum it over the
     ranks, as for any replicated parameter), the whole gradient on every rank under
     ``"replicated"`` (Megatron's g: not to be summed over the group).
 
     Communication: forward 1 all_reduce of [..., D_out] (``sequence_parallel``: 1
     reduce_scatter of [T, D_out]); backward 1 all_reduce of [..., D_out] under ``"sum"``, none
-    under ``"replicated"`` (``sequence_parallel``: 1 all_gather of [T_r, D_out]).
+    under ``"replicated"`` (``sequence_parallel``: 1 all_gather of [T_r, D_out]); a whole
+    input adds 1 all_gather of [..., H_r] backward under ``"replicated"``.
     """
-    _objective_problem(objective)
+    op = "row_parallel_linear"
+    _objective_problem(objective, op)
+    refuse_dtensors(op, x=x, weight=weight, bias=bias)
+    group = as_process_group(group, op)
+    if not input_is_parallel:
+        size = resolve(group, op).size
+        features = _split(x.shape[-1], size, splits, f"{op}: splits")
+        x = split_to_sequence(x, group, sizes=features, objective=objective, dim=-1)
     partial = F.linear(x, weight)
     if sequence_parallel:
         y = reduce_scatter_to_sequence(partial, group, sizes=sizes)
@@ -284,9 +339,11 @@ def _split(total: int, size: int, given: Sequence[int] | None, what: str) -> lis
     if given is None:
         return near_even(total, size)
     if len(given) != size or sum(given) != total or min(given) < 0:
-        raise ValueError(
-            f"{what} must give each of the {size} ranks its number of features (non-negative, "
-            f"adding up to {total}), got {list(given)}"
+        op, _, name = what.partition(": ")
+        raise refuse(
+            op,
+            f"{name} must give each of the {size} ranks its number of features (non-negative, "
+            f"adding up to {total}), got {list(given)}",
         )
     return list(given)
 
@@ -294,7 +351,7 @@ def _split(total: int, size: int, given: Sequence[int] | None, what: str) -> lis
 _Layer = TypeVar("_Layer", bound=nn.Module)
 
 
-def _like(cls: type[_Layer], linear: nn.Linear, group: ProcessGroup | None, options: Any) -> _Layer:
+def _like(cls: type[_Layer], linear: nn.Linear, group: GroupLike, options: Any) -> _Layer:
     """A parallel layer ``cls`` of ``linear``'s sizes, bias, device and dtype (uninitialised
     shards: ``from_linear`` copies them)."""
     return cls(
@@ -313,8 +370,10 @@ class ColumnParallelLinear(nn.Module):
     with this rank's ``weight`` ``[H_r, in_features]`` and ``bias`` ``[H_r]`` as parameters.
 
     ``splits`` gives every rank's ``H_r`` (default: as even as possible, larger first).
-    :meth:`from_linear` takes this rank's rows of an existing ``nn.Linear``. Gradient and
-    communication: :func:`column_parallel_linear`.
+    ``gather_output`` (default False, unlike Megatron's True) returns the whole ``[..., H]``
+    on every rank. ``group`` takes any form of ``group=`` (a DeviceMesh dim included);
+    ``layer.group`` is its ``ProcessGroup``. :meth:`from_linear` takes this rank's rows of an
+    existing ``nn.Linear``. Gradient and communication: :func:`column_parallel_linear`.
     """
 
     def __init__(
@@ -322,30 +381,36 @@ class ColumnParallelLinear(nn.Module):
         in_features: int,
         out_features: int,
         bias: bool = True,
-        group: ProcessGroup | None = None,
+        group: GroupLike = None,
         *,
         sequence_parallel: bool = False,
         objective: Objective = "sum",
+        gather_output: bool = False,
         splits: Sequence[int] | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        _objective_problem(objective)
-        g = resolve(group, "ColumnParallelLinear")
-        self.splits = _split(out_features, g.size, splits, "ColumnParallelLinear: splits")
+        op = "ColumnParallelLinear"
+        _objective_problem(objective, op)
+        if sequence_parallel and gather_output:
+            raise refuse(op, "pass sequence_parallel or gather_output, not both (as in Megatron)")
+        g = resolve(group, op)
+        self.splits = _split(out_features, g.size, splits, f"{op}: splits")
         mine = self.splits[g.rank]
         local = nn.Linear(in_features, mine, bias, device=device, dtype=dtype)
         self.weight, self.bias = local.weight, local.bias
-        self.group, self.sequence_parallel, self.objective = group, sequence_parallel, objective
+        self.group: ProcessGroup | None = as_process_group(group, op)
+        self.sequence_parallel, self.objective = sequence_parallel, objective
+        self.gather_output = gather_output
 
     @classmethod
     def from_linear(
-        cls, linear: nn.Linear, group: ProcessGroup | None = None, **options: Any
+        cls, linear: nn.Linear, group: GroupLike = None, **options: Any
     ) -> ColumnParallelLinear:
         """This rank's rows of ``linear`` (copied), with the same options as the constructor."""
         layer = _like(cls, linear, group, options)
-        rows = _own(layer.splits, resolve(group).rank)
+        rows = _own(layer.splits, resolve(layer.group).rank)
         with torch.no_grad():
             layer.weight.copy_(linear.weight[rows])
             if layer.bias is not None and linear.bias is not None:
@@ -362,6 +427,8 @@ class ColumnParallelLinear(nn.Module):
             sequence_parallel=self.sequence_parallel,
             sizes=sizes,
             objective=self.objective,
+            gather_output=self.gather_output,
+            splits=self.splits,
         )
 
 
@@ -370,7 +437,10 @@ class RowParallelLinear(nn.Module):
     with this rank's ``weight`` ``[out_features, H_r]`` and the whole ``bias`` as parameters.
 
     ``splits`` gives every rank's ``H_r`` (default: as even as possible, larger first, the
-    split :class:`ColumnParallelLinear` makes of the same width). :meth:`from_linear` takes
+    split :class:`ColumnParallelLinear` makes of the same width). ``input_is_parallel``
+    (default True: this rank's features, as :class:`ColumnParallelLinear` returns them); False
+    takes the whole input and keeps this rank's features (Megatron's option). ``group`` takes
+    any form of ``group=``; ``layer.group`` is its ``ProcessGroup``. :meth:`from_linear` takes
     this rank's columns of an existing ``nn.Linear``. Gradient and communication:
     :func:`row_parallel_linear`.
     """
@@ -380,29 +450,33 @@ class RowParallelLinear(nn.Module):
         in_features: int,
         out_features: int,
         bias: bool = True,
-        group: ProcessGroup | None = None,
+        group: GroupLike = None,
         *,
         sequence_parallel: bool = False,
         objective: Objective = "sum",
+        input_is_parallel: bool = True,
         splits: Sequence[int] | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        _objective_problem(objective)
-        g = resolve(group, "RowParallelLinear")
-        self.splits = _split(in_features, g.size, splits, "RowParallelLinear: splits")
+        op = "RowParallelLinear"
+        _objective_problem(objective, op)
+        g = resolve(group, op)
+        self.splits = _split(in_features, g.size, splits, f"{op}: splits")
         local = nn.Linear(self.splits[g.rank], out_features, bias, device=device, dtype=dtype)
         self.weight, self.bias = local.weight, local.bias
-        self.group, self.sequence_parallel, self.objective = group, sequence_parallel, objective
+        self.group: ProcessGroup | None = as_process_group(group, op)
+        self.sequence_parallel, self.objective = sequence_parallel, objective
+        self.input_is_parallel = input_is_parallel
 
     @classmethod
     def from_linear(
-        cls, linear: nn.Linear, group: ProcessGroup | None = None, **options: Any
+        cls, linear: nn.Linear, group: GroupLike = None, **options: Any
     ) -> RowParallelLinear:
         """This rank's columns of ``linear`` (copied; the bias whole)."""
         layer = _like(cls, linear, group, options)
-        cols = _own(layer.splits, resolve(group).rank)
+        cols = _own(layer.splits, resolve(layer.group).rank)
         with torch.no_grad():
             layer.weight.copy_(linear.weight[:, cols])
             if layer.bias is not None and linear.bias is not None:
@@ -419,6 +493,8 @@ class RowParallelLinear(nn.Module):
             sequence_parallel=self.sequence_parallel,
             sizes=sizes,
             objective=self.objective,
+            input_is_parallel=self.input_is_parallel,
+            splits=self.splits,
         )
 
 
