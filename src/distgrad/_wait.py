@@ -75,7 +75,8 @@ INLINE_BYTES = 256 * 1024
 
 _TICK = timedelta(seconds=TICK_S)
 _REPORT_WAIT_S = 1.0  # after a timeout, how long to wait for the peers' own reports
-_RECENT_S = 5.0  # a peer's report counts if written this recently
+_RECENT_S = 5.0  # a peer's report counts if written this recently, or since this wait began
+_CLOCK_SLACK_S = 0.5  # ranks' clocks (one machine, or NTP across machines) may differ this much
 _NOTE_AFTER_S = 1.0  # a wait this long says in the store what it waits in, until it ends
 
 
@@ -337,7 +338,7 @@ def annotate(
         gone = [p for p in peers if states[p].state == "gone"]
         if gone:
             who = f"rank {gone[0]}"
-            story = _peer_timed_out(group, [gone[0]], wait_s=0.0)
+            story = _peer_timed_out(group, [gone[0]], 0.0, time.time() - waited)
             why = (
                 f"{who} {story[1]}, then exited"
                 if story
@@ -348,6 +349,8 @@ def annotate(
                 f"{waited:.2f} s into the wait: {why}; this group cannot be used any more"
             )
         elif _lost_connection(error):
+            # Say what this rank waited in, for a peer whose timeout closed the connection.
+            _write_report(group, "closed", f"was waiting in {what} until its connection closed")
             account = _closed_by_a_live_peer(group, peers, states, doing, waited)
         else:
             account = (
@@ -382,9 +385,10 @@ def _closed_by_a_live_peer(
     known to be running. A peer whose state distgrad cannot know is never said to be running."""
     running = [p for p in peers if states[p].state == "running"]
     unknown = [p for p in peers if states[p].state == "unknown"]
-    story = _peer_timed_out(group, running, wait_s=_REPORT_WAIT_S) if running else None
+    since = time.time() - waited
+    story = _peer_timed_out(group, running, _REPORT_WAIT_S, since) if running else None
     if story is None and unknown:
-        story = _peer_timed_out(group, unknown, wait_s=0.0)
+        story = _peer_timed_out(group, unknown, 0.0, since)
     if story is not None:
         why = f"rank {story[0]} {story[1]} and closed its connections"
         who = f"rank {story[0]}"
@@ -440,7 +444,7 @@ def _timeout_account(
         f"distgrad: rank {group.rank} {doing} and timed out after {waited:.1f} s waiting for "
         f"{wanted}"
     )
-    reports = _exchange_reports(group, peers, f"timed out in {what}")
+    reports = _exchange_reports(group, peers, f"timed out in {what}", time.time() - waited)
     if reports is None:
         return head + " (the store could not be read to say what the peers were doing)"
     lines = []
@@ -488,7 +492,9 @@ def _read_report(store: Any, kind: str, global_rank: int) -> tuple[float, str] |
     return float(report["time"]), str(report["what"])
 
 
-def _peer_timed_out(group: Group, peers: Sequence[int], wait_s: float) -> tuple[int, str] | None:
+def _peer_timed_out(
+    group: Group, peers: Sequence[int], wait_s: float, since: float
+) -> tuple[int, str] | None:
     """The first of ``peers`` (group ranks) that reported a recent timeout in the default
     store, with 'timed out in <what>, on the group of ...', waiting up to ``wait_s`` for the
     reports (all peers at once)."""
@@ -500,7 +506,8 @@ def _peer_timed_out(group: Group, peers: Sequence[int], wait_s: float) -> tuple[
         while True:
             for peer in peers:
                 report = _read_report(store, "timeout", group.global_rank(peer))
-                if report is not None and abs(time.time() - report[0]) < _RECENT_S and report[1]:
+                if _relevant(report, since):
+                    assert report is not None
                     return peer, report[1]
             if time.monotonic() >= deadline:
                 return None
@@ -509,9 +516,21 @@ def _peer_timed_out(group: Group, peers: Sequence[int], wait_s: float) -> tuple[
         return None
 
 
-def _exchange_reports(group: Group, peers: Sequence[int], mine: str) -> dict[int, str] | None:
+def _relevant(report: tuple[float, str] | None, since: float) -> bool:
+    """Whether a peer's report speaks of this wait: written since it began (``since``, wall
+    clock), or recently. A peer that timed out in call 21 and now waits in call 22 is
+    described at call 21, however long ago this wait began."""
+    if report is None or not report[1]:
+        return False
+    return report[0] >= since - _CLOCK_SLACK_S or abs(time.time() - report[0]) < _RECENT_S
+
+
+def _exchange_reports(
+    group: Group, peers: Sequence[int], mine: str, since: float
+) -> dict[int, str] | None:
     """Write this rank's report to the default store; read its peers' (by group rank): a
-    recent timeout of theirs, or a long wait they are still in."""
+    timeout of theirs during this wait (which began at ``since``), a wait of theirs that ended
+    when its connection closed, or a long wait they are still in."""
     store = _store()
     if store is None or group.pg is None:
         return None
@@ -524,17 +543,24 @@ def _exchange_reports(group: Group, peers: Sequence[int], mine: str) -> dict[int
                 if peer in found:
                     continue
                 report = _read_report(store, "timeout", group.global_rank(peer))
-                if report is not None and abs(time.time() - report[0]) < _RECENT_S:
+                closed = _read_report(store, "closed", group.global_rank(peer))
+                if _relevant(report, since):
+                    assert report is not None
                     found[peer] = report[1]
+                elif _relevant(closed, since):
+                    assert closed is not None
+                    found[peer] = closed[1]
             if len(found) == len(peers) or time.monotonic() > deadline:
                 break
             time.sleep(0.05)
         for peer in peers:
-            waiting = (
-                None if peer in found else _read_report(store, "waiting", group.global_rank(peer))
-            )
-            if waiting is not None and waiting[1]:
+            waiting = _read_report(store, "waiting", group.global_rank(peer))
+            if waiting is None or not waiting[1]:
+                continue
+            if peer not in found:
                 found[peer] = f"is {waiting[1]} (for {time.time() - waiting[0]:.1f} s)"
+            elif waiting[1].removeprefix("waiting in ") not in found[peer]:
+                found[peer] += f"; it is now {waiting[1]}"  # it went on to another call
         return found
     except Exception:  # the store is gone too
         return None
