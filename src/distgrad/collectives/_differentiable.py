@@ -17,6 +17,7 @@ communication. Everything else is here: the ordering check of debug mode, the re
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -117,8 +118,25 @@ def apply(
     ``anchor``: a leaf that makes autograd record the op on a rank whose ``x`` is None (see
     ``_common.anchor``); its gradient is zeros.
     """
-    out: Tensor = op.apply(x, plan, anchor)  # type: ignore[no-untyped-call]
-    return out
+    if torch.compiler.is_compiling() or _functorch_active():
+        out: Tensor = op.apply(x, plan, anchor)  # type: ignore[no-untyped-call]
+        return out
+    return _c_apply(op)(x, plan, anchor)  # type: ignore[no-any-return]
+
+
+# ``Function.apply``'s Python wrapper, around torch's C apply, costs about 15 us per call here
+# (48 against 33 us of CPU for a 32 KB all_gather forward on 2 gloo ranks, whose exchange is
+# 14 us): it binds default arguments, unwraps dead functorch wrappers and checks for a
+# setup_context. None of that applies to these Functions (no defaults, no setup_context, no
+# functorch transform active: checked above), so the eager path calls the C apply directly, as
+# distgrad.rpc's recv nodes do. torch.compile traces through the Python apply, as it must.
+_C_APPLY: Any = torch._C._FunctionBase.__dict__["apply"]
+_functorch_active: Any = torch._C._are_functorch_transforms_active
+
+
+@functools.cache
+def _c_apply(op: type[Collective]) -> Any:
+    return _C_APPLY.__get__(None, op)
 
 
 def partner(op: type[Collective], plan: Plan, grad: Tensor) -> Tensor:
