@@ -246,7 +246,9 @@ def verdict(rank: int) -> Verdict:
     only /proc says so, or a liveness connection that is open."""
     if rank in _gone:
         return Verdict("gone", _gone[rank])
-    conn = _peers[rank] if rank in _peers else _connect(rank)
+    # Issue 37: a peer not yet published when a wait first looked (a job's first call) was not
+    # looked for again for a second, so a kill in that second was "not seen dead": ask now.
+    conn = _peers[rank] if rank in _peers else _connect(rank, force=True)
     if rank in _gone:
         return Verdict("gone", _gone[rank])
     seen = _process_state(rank)
@@ -282,10 +284,12 @@ def _closed(conn: socket.socket | None) -> str | None:
     return None if data else "its process closed distgrad's liveness connection"
 
 
-def _connect(rank: int) -> socket.socket | None:
-    """Connect to ``rank``'s listener (None: it published no address, or is not reachable)."""
+def _connect(rank: int, force: bool = False) -> socket.socket | None:
+    """Connect to ``rank``'s listener (None: it published no address, or is not reachable).
+    A peer that had published nothing is looked for again after ``_RETRY_S`` (the ticks of a
+    wait need not ask the store every 20 ms), or at once with ``force`` (an error asking)."""
     now = time.monotonic()
-    if _retry_at.get(rank, 0.0) > now:
+    if _retry_at.get(rank, 0.0) > now and not force:
         return None
     store = _default_store()
     key = _KEY.format(rank=rank)

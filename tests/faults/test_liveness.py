@@ -115,3 +115,16 @@ def test_a_killed_process_not_yet_reaped_is_gone_with_its_signal(store: object) 
 def test_a_peer_that_published_nothing_is_not_said_to_run(store: object) -> None:
     """A peer distgrad knows nothing of is "unknown", never "running"."""
     assert _alive.verdict(7).state == "unknown"
+
+
+def test_a_peer_not_published_at_the_first_look_is_looked_for_again_when_an_error_asks(
+    store: object,
+) -> None:
+    """Issue 37's cause: a wait's first look found no address (the peer had not made its first
+    call yet) and none was looked for during the next second, so a peer killed in that second
+    was not seen dead; an error's question looks again at once."""
+    assert _alive.dead([8]) is None  # nothing published: not looked for again for a second
+    store.set("distgrad/alive/8", f"{_alive._machine()} 127.0.0.1:{_closed_port()}")  # type: ignore[attr-defined]
+    assert _alive.dead([8]) is None  # the ticks still wait out the second
+    seen = _alive.verdict(8)
+    assert seen.state == "gone", seen
