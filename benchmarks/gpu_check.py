@@ -1124,9 +1124,11 @@ def _times(
             rows = shape[0] * (n if op in ("reduce_scatter", "all_to_all", "scatter") else 1)
             x = torch.randn(rows, shape[1], device=where)
             leaf = x.clone().requires_grad_()  # autograd's variants; c10d's gets no graph
+            out_shape = tuple(_distgrad(op, leaf, n, rank).shape)
             variants: dict[str, Callable[[], None]] = {
                 "c10d": lambda op=op, x=x: _c10d(op, x, n, rank),
                 "distgrad": lambda op=op, x=leaf: _backward(_distgrad(op, x, n, rank)),
+                "autograd floor": lambda x=leaf, s=out_shape: _backward(_Floor.apply(x, s)),
             }
             if op in FUNCOL_OPS:
                 variants["funcol"] = lambda op=op, x=leaf: _backward(_funcol(op, x, n))
@@ -1160,6 +1162,22 @@ def _times(
     return found
 
 
+class _Floor(torch.autograd.Function):
+    """The autograd floor: a local Function with distgrad's output shape and no communication
+    (forward and backward each allocate their result), through the same ``apply`` a user's
+    Function pays. distgrad's time over this one is what its own code costs per call."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, shape: tuple[int, ...]) -> Tensor:
+        ctx.like = (x.shape, x.dtype, x.device)
+        return x.new_empty(shape)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        shape, dtype, device = ctx.like
+        return torch.empty(shape, dtype=dtype, device=device), None
+
+
 def _backward(out: Tensor | None) -> None:
     assert out is not None
     out = out.wait() if hasattr(out, "wait") else out  # funcol's output is asynchronous
@@ -1177,9 +1195,11 @@ def part_timing(device: str, gpus: int) -> Section:
         "timing",
         f"Forward+backward time of every op ({setup.label}{one_gpu}), "
         f"float32 [rows, cols] per rank at {', '.join(map(str, shapes))}, against torch's c10d "
-        "collectives doing the same forward and backward exchanges without autograd (the "
-        "floor; on world size 1 most are copies) and funcol's `*_autograd` collectives where "
-        "funcol has one. Each round runs every variant once, shuffled, from a barrier; a time "
+        "collectives doing the same forward and backward exchanges without autograd (on "
+        "world size 1 most are copies), the autograd floor (a local autograd Function with the "
+        "op's output shape and no communication: what any differentiable call costs; distgrad's "
+        "target is this plus 10 us) and funcol's `*_autograd` collectives where funcol has "
+        "one. Each round runs every variant once, shuffled, from a barrier; a time "
         f"is the slower rank's; {rounds} rounds. Ratio: the median over rounds of the "
         "variant's time over c10d's in the same round (paired), with its interquartile range."
         + ("" if device == "cuda" else " CPU mode: tiny sizes and 2 rounds, no meaning as speed."),
