@@ -53,7 +53,8 @@ default_optimizer: MakeOptimizer = functools.partial(torch.optim.SGD, lr=0.1)
 
 @dataclass(frozen=True)
 class ParameterCheck:
-    """One parameter's gradient (``what="grad"``) or update (``"update"``) at one step."""
+    """One parameter's gradient (``what="grad"``) or update (``"update"``: what the optimizer
+    step changed, and the value after it) at one step."""
 
     step: int
     name: str
@@ -215,6 +216,12 @@ def check_parallel_model(
         shape, names, ref_losses, [list(x) for x in zip(*(r[0] for r in results), strict=True)]
     )
     coords = [r[2] for r in results]
+    missing = sorted(set(ref[0]) ^ set(results[0][1][0]))
+    if missing:
+        raise CheckArgumentError(
+            f"check_parallel_model: parameters {missing} are not in both the plain and the "
+            "parallelized model: parallelize must keep every parameter's name"
+        )
     for step in range(steps):
         for name, (want_grad, want_param, before) in ref[step].items():
             for what, index, want in (("grad", 0, want_grad), ("update", 1, want_param)):
@@ -224,19 +231,23 @@ def check_parallel_model(
                     text = "agree" if ok else "no gradient on some ranks or in one process"
                     report.checks.append(ParameterCheck(step, name, what, ok, 0.0, text))
                     continue
-                replicas, dims = _assemble(name, pieces, coords, shape, names, want.shape)
+                probe = [r[1][0][name][2] for r in results]
+                replicas, dims = _assemble(name, pieces, coords, shape, names, want.shape, probe)
                 if what == "update":  # compare what the step changed, not the values
                     assert before is not None
                     old = _assemble(
                         name, [r[1][step][name][2] for r in results], coords, shape, names,
-                        want.shape,
+                        want.shape, probe,
                     )[0]  # fmt: skip
+                    values = diagnose(replicas, want, dims, names, shape, rtol, atol)
                     replicas = {k: v - old[k] for k, v in replicas.items()}
                     want = want - before
                 err = max(
                     float((v - want).abs().max()) if v.numel() else 0.0 for v in replicas.values()
                 )
                 text = diagnose(replicas, want, dims, names, shape, rtol, atol)
+                if what == "update" and text == "agree" and values != "agree":
+                    text = "the values differ from one process's although this step's update agrees"
                 report.checks.append(ParameterCheck(step, name, what, text == "agree", err, text))
     if raise_on_mismatch:
         report.raise_if_mismatch()
@@ -344,27 +355,37 @@ def _assemble(
     shape: tuple[int, ...],
     names: tuple[str, ...],
     want: torch.Size,
+    probe: Sequence[Tensor],
 ) -> tuple[dict[tuple[int, ...], Tensor], tuple[int, ...]]:
     """Full tensors from every rank's piece, keyed by the coordinates along the mesh dims over
-    which they are replicas; and those dims."""
+    which they are replicas; and those dims. ``probe``: every rank's piece of the parameter's
+    initial value, which decides the layout: a piece is a slice over the mesh dim whose ranks
+    hold different pieces (a dim whose ranks hold equal ones replicates it, as FSDP2's
+    gathered shards do over data parallel)."""
     every = tuple(range(len(shape)))
     if all(p.shape == want for p in pieces):
         return {c: p for c, p in zip(coords, pieces, strict=True)}, every
     differ = {
         d for p in pieces for d in range(p.dim()) if p.dim() == len(want) and p.shape[d] != want[d]
     }
+    fits: list[tuple[int, bool]] = []
     if len(differ) == 1:
         (tdim,) = differ
         for m in every:
-            groups: dict[tuple[int, ...], list[tuple[int, Tensor]]] = {}
-            for c, p in zip(coords, pieces, strict=True):
-                groups.setdefault(c[:m] + c[m + 1 :], []).append((c[m], p))
-            whole = {
-                k: torch.cat([p for _, p in sorted(v, key=lambda cp: cp[0])], tdim)
-                for k, v in groups.items()
-            }
-            if all(w.shape == want for w in whole.values()):
-                return whole, every[:m] + every[m + 1 :]
+            if _joined(pieces, coords, m, tdim, want) is not None:
+                groups: dict[tuple[int, ...], list[Tensor]] = {}
+                for c, p in zip(coords, probe, strict=True):
+                    groups.setdefault(c[:m] + c[m + 1 :], []).append(p)
+                distinct = all(
+                    any(q.shape != g[0].shape or not torch.equal(q, g[0]) for q in g[1:])
+                    for g in groups.values()
+                )
+                fits.append((m, distinct))
+    if fits:
+        m = next((m for m, distinct in fits if distinct), fits[0][0])
+        whole = _joined(pieces, coords, m, tdim, want)
+        assert whole is not None
+        return whole, every[:m] + every[m + 1 :]
     shapes = sorted({tuple(p.shape) for p in pieces})
     mesh = dict(zip(names, shape, strict=True))
     raise CheckArgumentError(
@@ -373,6 +394,24 @@ def _assemble(
         "must be the whole tensor or its slice along one dim over one mesh dim (use DTensor "
         "for other layouts)"
     )
+
+
+def _joined(
+    pieces: Sequence[Tensor],
+    coords: Sequence[tuple[int, ...]],
+    m: int,
+    tdim: int,
+    want: torch.Size,
+) -> dict[tuple[int, ...], Tensor] | None:
+    """The pieces concatenated along ``tdim`` over mesh dim ``m``, if that gives ``want``."""
+    groups: dict[tuple[int, ...], list[tuple[int, Tensor]]] = {}
+    for c, p in zip(coords, pieces, strict=True):
+        groups.setdefault(c[:m] + c[m + 1 :], []).append((c[m], p))
+    whole = {
+        k: torch.cat([p for _, p in sorted(v, key=lambda cp: cp[0])], tdim)
+        for k, v in groups.items()
+    }
+    return whole if all(w.shape == want for w in whole.values()) else None
 
 
 def diagnose(
