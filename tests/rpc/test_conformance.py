@@ -386,7 +386,7 @@ def _errors(rank: int, world_size: int) -> None:
         _error_in_a_nested_udf_then_recovery(mode)
     _forward_errors_keep_their_type()
     _torch_rpc_refused_inside_a_context()
-    with pytest.raises(RuntimeError, match="could not find autograd context with id 100") as info:
+    with pytest.raises(RuntimeError, match="Could not find autograd context with id: 100") as info:
         dgrpc.backward(100, [support.leaf(1, 1) * 2])  # [test_backward_without_context]
     assert isinstance(info.value, UnknownContextError)
     for w, state in enumerate(H.states(world_size)):

@@ -106,7 +106,7 @@ def _recording(rank: int, world_size: int) -> None:
             ids.append(cid)
     assert len(set(ids)) == 200
     for cid in ids:
-        with pytest.raises(RuntimeError, match=f"could not find autograd context with id {cid}"):
+        with pytest.raises(RuntimeError, match=f"Could not find autograd context with id: {cid}"):
             lookup(cid)
     t1, t2 = support.leaf(1, 3, 3), support.leaf(2, 3, 3)
     for call in (F.remote_call, F.remote_ref_call):

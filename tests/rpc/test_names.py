@@ -4,6 +4,9 @@ like rpc_sync/rpc_async/remote, and their gradients equal local autograd's (both
 
 from __future__ import annotations
 
+import io
+
+import pytest
 import torch
 from torch.distributed import rpc as torch_rpc
 
@@ -103,6 +106,42 @@ def _remote_module(mode: str) -> None:
         H.assert_close(g, w, f"{mode}: RemoteModule gradient {i}")
     params = layer.remote_parameters()
     assert len(params) == 2 and all(p.owner_name() == "worker1" for p in params)
+    _remote_module_as_torch(layer)
+
+
+class BadModule:
+    """[torch's test_bad_module] module_cls returning something other than a Module."""
+
+    def __init__(self, first_arg: int, first_kwarg: int = -1) -> None:
+        pass
+
+
+def _training(rref: torch_rpc.RRef[torch.nn.Module]) -> bool:
+    return rref.local_value().training
+
+
+def _remote_module_as_torch(layer: dgrpc.RemoteModule) -> None:
+    """torch's RemoteModule behaviours, in torch's words: [test_train_eval] train() and eval()
+    set the remote module's mode; [test_create_remote_module_from_module_rref] a RemoteModule
+    from another's module RRef runs the same module; [test_remote_module_py_pickle_not_
+    supported] torch.save refuses it; [test_bad_module] a module_cls that makes no Module."""
+    rref = layer.get_module_rref().torch_rref
+    assert layer.eval() is layer and not layer.training
+    assert not torch_rpc.rpc_sync("worker1", _training, (rref,))
+    layer.train()
+    assert layer.training and torch_rpc.rpc_sync("worker1", _training, (rref,))
+    again = dgrpc.RemoteModule.init_from_module_rref("worker1/cpu", layer.get_module_rref())
+    x = torch.ones(2, 4, dtype=torch.float64)
+    assert torch.equal(again(x), layer(x))
+    with pytest.raises(RuntimeError, match="Cannot pickle RemoteModule in python pickler"):
+        torch.save(layer, io.BytesIO())
+    bad = dgrpc.RemoteModule("worker1/cpu", BadModule, (1,), {"first_kwarg": 2})  # type: ignore[arg-type]
+    with pytest.raises(
+        ValueError,
+        match=r"Expect `module_cls\(\*args, \*\*kwargs\)` returns an instance of "
+        r"<class nn.Module>,",
+    ):
+        bad.forward()
 
 
 def test_torchs_other_rpc_names_work_from_distgrad_rpc() -> None:

@@ -124,9 +124,9 @@ def lookup(context_id: int) -> DistAutogradContext:
             "it was never created here or it has already been released (contexts live only "
             "inside their `with distgrad.rpc.context()` block)"
         )
-        raise UnknownContextError(
-            f"could not find autograd context with id {context_id} on "
-            f"{_identity.worker_name()}: {why}"
+        raise UnknownContextError(  # torch's words first (programs match them), then why
+            f"Could not find autograd context with id: {context_id} (on "
+            f"{_identity.worker_name()}: {why})"
         )
     return ctx
 

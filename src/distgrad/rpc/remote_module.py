@@ -43,7 +43,49 @@ class RemoteModule(nn.Module):
                 f"in remote_device={remote_device!r}"
             )
         self.on = worker
-        self.module_rref: RRef[nn.Module] = remote(worker, module_cls, args, kwargs)
+        self.module_rref: RRef[nn.Module] = remote(
+            worker, _instantiate, (module_cls, args or (), kwargs or {})
+        )
+
+    @staticmethod
+    def init_from_module_rref(
+        remote_device: str, module_rref: RRef[nn.Module] | torch_rpc.RRef[nn.Module]
+    ) -> RemoteModule:
+        """A RemoteModule for a module already made on ``remote_device`` (torch's
+        ``RemoteModule.init_from_module_rref``): no RPC, the module is shared, not copied."""
+        worker, _, device = remote_device.partition("/")
+        if device not in ("", "cpu"):
+            raise ValueError(
+                f"RemoteModule: distgrad.rpc runs modules on CPU only, got device {device!r} "
+                f"in remote_device={remote_device!r}"
+            )
+        made = RemoteModule.__new__(RemoteModule)
+        nn.Module.__init__(made)
+        made.on = worker
+        made.module_rref = module_rref if isinstance(module_rref, RRef) else RRef._wrap(module_rref)
+        return made
+
+    def train(self, mode: bool = True) -> RemoteModule:
+        """Set the remote module's training mode (one RPC), as torch's RemoteModule does."""
+        rpc_sync(self.on, _set_training, (self.module_rref.torch_rref, mode))
+        self.training = mode
+        return self
+
+    def eval(self) -> RemoteModule:
+        """``train(False)`` on the remote module (one RPC)."""
+        return self.train(False)
+
+    def __getstate__(self) -> Any:
+        raise RuntimeError(
+            "Cannot pickle RemoteModule in python pickler. RemoteModule can only be pickled "
+            "when using RPC"
+        )
+
+    def __setstate__(self, state: Any) -> None:
+        raise RuntimeError(
+            "Cannot unpickle RemoteModule in python pickler. RemoteModule can only be unpickled "
+            "when using RPC"
+        )
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The module's forward on its worker (one RPC; recorded inside a context)."""
@@ -61,6 +103,21 @@ class RemoteModule(nn.Module):
     def get_module_rref(self) -> RRef[nn.Module]:
         """The RRef of the module on its worker."""
         return self.module_rref
+
+
+def _instantiate(module_cls: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> nn.Module:
+    module = module_cls(*args, **kwargs)
+    if not isinstance(module, nn.Module):
+        # torch's words (its tests match them), raised when the module is made, as torch does.
+        raise ValueError(
+            "Expect `module_cls(*args, **kwargs)` returns an instance of <class nn.Module>, "
+            f"but it returns an instance of {type(module)}."
+        )
+    return module
+
+
+def _set_training(rref: torch_rpc.RRef[nn.Module], mode: bool) -> None:
+    rref.local_value().train(mode)
 
 
 def _forward(rref: torch_rpc.RRef[nn.Module], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
