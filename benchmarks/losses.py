@@ -5,10 +5,11 @@ forward+backward and bytes saved for backward, as paired ratios.
     python benchmarks/losses.py --configs 2x1024 --rounds 2     # a quick run
     python benchmarks/losses.py --configs 2x8192         # global batch 16384 on 2 ranks
 
-open_clip is an optional benchmark dependency (``pip install -e .[bench]``, or
-``pip install --no-deps open_clip_torch``: its dependencies would pull torchvision and a CUDA
-torch). Only its ``open_clip/loss.py`` is loaded, by path, without importing the package, whose
-``__init__`` imports torchvision; that file imports nothing but torch.
+open_clip is an optional benchmark dependency (pyproject's ``bench`` extra names it), to be
+installed with ``pip install --no-deps open_clip_torch``: its dependencies would pull
+torchvision and replace a CPU torch with a CUDA one. Only its ``open_clip/loss.py`` is
+loaded, by path, without importing the package, whose ``__init__`` imports torchvision; that
+file imports nothing but torch.
 
 Method. Every configuration (loss, W ranks, B_local rows per rank) runs in one set of W fresh
 processes, one thread each (``torch.set_num_threads(1)``); 4 ranks on 2 cores are
@@ -116,7 +117,8 @@ def variants(loss: str, rank: int, world_size: int) -> dict[str, Loss]:
 
 
 def _has_auto() -> bool:
-    return "auto" in (dg.losses.siglip_loss.__doc__ or "")
+    """Whether this distgrad takes ``block_size="auto"`` (a run on an earlier commit does not)."""
+    return hasattr(dg.losses.contrastive, "choose_block")
 
 
 def _saved_bytes(fn: Callable[[], Tensor]) -> tuple[Tensor, int]:
