@@ -7,6 +7,12 @@ parameters there), ``forward_async`` an :func:`~distgrad.rpc.rpc_async`, and
 ``remote_parameters()`` gives RRefs of its parameters for
 :class:`~distgrad.rpc.DistributedOptimizer`. CPU only.
 
+It travels over RPC as torch's does (an argument of ``rpc_sync``/``rpc_async``/``remote``, or
+in a returned value: the receiver gets a RemoteModule of the same module, usable there), by a
+reducer registered on torch's RPC pickler, which distgrad's calls use too; plain ``pickle`` and
+``torch.save`` refuse it with torch's message. Only its own attributes travel (which worker,
+the module's RRef, the training flag); one added after construction stays behind, as torch's.
+
 Cost: creating one is one RPC; each forward is one RPC (a round trip).
 """
 
@@ -17,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed import rpc as torch_rpc
+from torch.distributed.rpc import internal as torch_rpc_internal
 from torch.futures import Future
 
 from distgrad.rpc.calls import RRef, remote, rpc_async, rpc_sync
@@ -27,6 +34,12 @@ __all__ = ["RemoteModule"]
 class RemoteModule(nn.Module):
     """``module_cls(*args, **kwargs)`` made on ``remote_device`` (``"worker1"`` or
     ``"worker1/cpu"``) and run there by :meth:`forward`."""
+
+    on: str
+    device: str
+    is_device_map_set: bool
+    is_scriptable: bool
+    module_rref: RRef[nn.Module]
 
     def __init__(
         self,
@@ -42,10 +55,15 @@ class RemoteModule(nn.Module):
                 f"RemoteModule: distgrad.rpc runs modules on CPU only, got device {device!r} "
                 f"in remote_device={remote_device!r}"
             )
+        self._describe(worker, remote(worker, _instantiate, (module_cls, args or (), kwargs or {})))
+
+    def _describe(self, worker: str, module_rref: RRef[nn.Module]) -> None:
+        # torch's RemoteModule's attributes that a program may read, with their values here.
         self.on = worker
-        self.module_rref: RRef[nn.Module] = remote(
-            worker, _instantiate, (module_cls, args or (), kwargs or {})
-        )
+        self.device = "cpu"
+        self.is_device_map_set = False
+        self.is_scriptable = False
+        self.module_rref = module_rref
 
     @staticmethod
     def init_from_module_rref(
@@ -61,8 +79,9 @@ class RemoteModule(nn.Module):
             )
         made = RemoteModule.__new__(RemoteModule)
         nn.Module.__init__(made)
-        made.on = worker
-        made.module_rref = module_rref if isinstance(module_rref, RRef) else RRef._wrap(module_rref)
+        made._describe(
+            worker, module_rref if isinstance(module_rref, RRef) else RRef._wrap(module_rref)
+        )
         return made
 
     def train(self, mode: bool = True) -> RemoteModule:
@@ -75,6 +94,7 @@ class RemoteModule(nn.Module):
         """``train(False)`` on the remote module (one RPC)."""
         return self.train(False)
 
+    # Plain pickle (torch.save) refuses it, in torch's words; RPC uses _reduce (registered below).
     def __getstate__(self) -> Any:
         raise RuntimeError(
             "Cannot pickle RemoteModule in python pickler. RemoteModule can only be pickled "
@@ -103,6 +123,23 @@ class RemoteModule(nn.Module):
     def get_module_rref(self) -> RRef[nn.Module]:
         """The RRef of the module on its worker."""
         return self.module_rref
+
+
+def _reduce(module: RemoteModule) -> tuple[Any, tuple[Any, ...]]:
+    """How a RemoteModule travels over RPC: which worker, its module's (torch) RRef, which the
+    RPC pickler sends as torch sends any RRef, and the training flag."""
+    return _receive, (module.on, module.module_rref.torch_rref, module.training)
+
+
+def _receive(on: str, module_rref: torch_rpc.RRef[nn.Module], training: bool) -> RemoteModule:
+    made = RemoteModule.init_from_module_rref(on, module_rref)
+    made.training = training
+    return made
+
+
+# As torch registers its RemoteModule's reducer: on torch's RPC pickler, whose registered
+# reducers distgrad's calls use as well. Plain pickle has no such entry and meets __getstate__.
+torch_rpc_internal._internal_rpc_pickler._register_reducer(RemoteModule, _reduce)  # type: ignore[no-untyped-call]
 
 
 def _instantiate(module_cls: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> nn.Module:

@@ -1,0 +1,95 @@
+"""A RemoteModule travels over RPC as torch's does (torch's test_send_remote_module_over_the_
+wire): passed to another worker by rpc_sync, rpc_async and remote, or returned from one, it
+arrives as a RemoteModule of the same module, whose forward runs on the module's worker; inside
+a context, a forward made on the receiver is recorded, and the gradients equal local
+autograd's (both modes). Plain pickle and torch.save refuse it with torch's message, and an
+attribute added after construction stays behind (torch's test_send_remote_module_with_a_new_
+attribute_not_pickled_over_the_wire)."""
+
+from __future__ import annotations
+
+import io
+import pickle
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+
+import distgrad.rpc as dgrpc
+from distgrad.testing import run_on_ranks
+from tests import _support as support
+from tests.rpc import _funcs as F
+from tests.rpc import _helpers as H
+
+
+def _forward_there(module: dgrpc.RemoteModule, x: Tensor) -> Tensor:
+    """On the receiver: the received module is a RemoteModule, called like a local one."""
+    assert type(module) is dgrpc.RemoteModule and module.on == "worker1"
+    out: Tensor = module(x)
+    return out
+
+
+def _forward_async_there(module: dgrpc.RemoteModule, x: Tensor) -> Tensor:
+    out: Tensor = module.forward_async(x).wait()
+    return out
+
+
+def _attributes(module: dgrpc.RemoteModule) -> dict[str, Any]:
+    return {k: v for k, v in vars(module).items() if not k.startswith("_")}
+
+
+def _send_back(module: dgrpc.RemoteModule) -> dgrpc.RemoteModule:
+    return module
+
+
+def _over_the_wire(rank: int, world_size: int) -> None:
+    if rank != 0:
+        return
+    layer = dgrpc.RemoteModule("worker1/cpu", F.seeded_linear, args=(3,))
+    local = F.seeded_linear(3)
+    x = support.leaf(1, 5, 4)
+    want = local(x).detach()
+    # Outside a context: torch's calls, with the reducer registered on torch's RPC pickler.
+    got = [
+        dgrpc.rpc_sync("worker2", _forward_there, args=(layer, x)),
+        dgrpc.rpc_async("worker2", _forward_async_there, args=(layer, x)).wait(),
+        dgrpc.remote("worker2", _forward_there, args=(layer, x)).to_here(),
+        dgrpc.rpc_sync("worker2", _send_back, args=(layer,))(x),
+    ]
+    for i, g in enumerate(got):
+        H.assert_close(g, want, f"forward on the receiver, path {i}")
+    attrs = dgrpc.rpc_sync("worker2", _attributes, args=(layer,))
+    assert attrs == {
+        "training": True,
+        "on": "worker1",
+        "device": "cpu",
+        "is_device_map_set": False,
+        "is_scriptable": False,
+        "module_rref": attrs["module_rref"],
+    }, attrs
+    layer.new_attr = 1
+    assert "new_attr" not in dgrpc.rpc_sync("worker2", _attributes, args=(layer,))
+    layer.eval()
+    assert dgrpc.rpc_sync("worker2", _attributes, args=(layer,))["training"] is False
+    layer.train()
+    for save in (lambda: pickle.dumps(layer), lambda: torch.save(layer, io.BytesIO())):
+        with pytest.raises(RuntimeError, match="Cannot pickle RemoteModule in python pickler"):
+            save()
+    # Inside a context: worker0 -> worker2 (the module and x) -> worker1 (the forward).
+    v = support.cotangent(2, want)
+    for mode in H.MODES:
+        with dgrpc.context() as cid:
+            y = dgrpc.rpc_sync("worker2", _forward_there, args=(layer, x))
+            y2 = dgrpc.rpc_async("worker2", _forward_async_there, args=(layer, x)).wait()
+            dgrpc.backward(cid, [((y + y2) * v).sum()], mode=mode)  # type: ignore[arg-type]
+            got_x = dgrpc.get_gradients(cid)[x]
+            got_w = H.query("worker1", F.module_grads, cid, layer.get_module_rref().torch_rref)
+        xx = x.detach().requires_grad_()
+        grads = torch.autograd.grad((2 * local(xx) * v).sum(), [*local.parameters(), xx])
+        for i, (g, w) in enumerate(zip([*got_w, got_x], grads, strict=True)):
+            H.assert_close(g, w, f"{mode}: gradient {i} through the received module")
+
+
+def test_a_remote_module_sent_over_rpc_runs_on_the_receiver() -> None:
+    run_on_ranks(_over_the_wire, 3, init="rpc")
