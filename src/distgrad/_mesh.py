@@ -37,7 +37,8 @@ else:  # pragma: no cover - torch built without distributed: no mesh can exist
 
 
 GroupLike: TypeAlias = "dist.ProcessGroup | DeviceMesh | tuple[DeviceMesh, int | str] | None"
-"""What every ``group=`` accepts."""
+"""What every ``group=`` accepts: the type in the public signatures of the collectives, the
+losses and the parallel patterns (``None`` is the default group)."""
 
 ACCEPTED = (
     "a torch.distributed ProcessGroup or None, or a DeviceMesh: a 1-D mesh (mesh['tp']) or a "

@@ -37,8 +37,8 @@ import torch
 from torch import Tensor
 
 from distgrad import _comm, _ops
-from distgrad._group import Group, ProcessGroup, on_forget, resolve
-from distgrad._mesh import dtensor_problem
+from distgrad._group import Group, on_forget, resolve
+from distgrad._mesh import GroupLike, dtensor_problem
 from distgrad._meta import (
     RankCall,
     debug_enabled,
@@ -161,7 +161,7 @@ class Signature:
         object.__setattr__(self, "_typed_lists", typed)
         object.__setattr__(self, "_arguments", (*self.fields, *typed))
 
-    def bind(self, group: ProcessGroup | None, x: object, **passed: Any) -> Bound:
+    def bind(self, group: GroupLike, x: object, **passed: Any) -> Bound:
         """Check one call of the op: every field's local check, in declared order (the first
         problem is this rank's), then, when the call is checked across ranks, every rank's
         call against the declaration; raise for any problem, on every rank that exchanged.

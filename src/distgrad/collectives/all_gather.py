@@ -13,7 +13,8 @@ from torch import Tensor
 
 from distgrad import _ops
 from distgrad._async import offers_async_op
-from distgrad._group import Group, ProcessGroup
+from distgrad._group import Group
+from distgrad._mesh import GroupLike
 from distgrad.collectives import _common as c
 from distgrad.collectives._differentiable import Adjoint, Collective, Plan, apply
 from distgrad.collectives._fields import Choice, Dim, Reduction, Sizes
@@ -105,7 +106,7 @@ def apply_reduce_scatter(
 @offers_async_op
 def all_gather(
     x: Tensor,
-    group: ProcessGroup | None = None,
+    group: GroupLike = None,
     *,
     dim: int = 0,
     sizes: Sequence[int] | None = None,
@@ -149,7 +150,7 @@ def all_gather(
 def reduce_scatter(
     x: Tensor,
     op: c.ReduceOp = "sum",
-    group: ProcessGroup | None = None,
+    group: GroupLike = None,
     *,
     dim: int = 0,
     sizes: Sequence[int] | None = None,

@@ -12,7 +12,8 @@ from torch import Tensor
 
 from distgrad import _ops
 from distgrad._async import offers_async_op
-from distgrad._group import Group, ProcessGroup
+from distgrad._group import Group
+from distgrad._mesh import GroupLike
 from distgrad.collectives import _common as c
 from distgrad.collectives._differentiable import Adjoint, Collective, Plan, apply
 from distgrad.collectives._fields import Choice, Reduction
@@ -58,7 +59,7 @@ def apply_all_reduce(x: Tensor, group: Group, op: str, objective: c.Objective = 
 def all_reduce(
     x: Tensor,
     op: c.ReduceOp = "sum",
-    group: ProcessGroup | None = None,
+    group: GroupLike = None,
     *,
     objective: c.Objective = "sum",
     async_op: bool = False,

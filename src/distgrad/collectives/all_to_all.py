@@ -9,7 +9,8 @@ from torch import Tensor
 
 from distgrad import _ops
 from distgrad._async import offers_async_op
-from distgrad._group import Group, ProcessGroup
+from distgrad._group import Group
+from distgrad._mesh import GroupLike
 from distgrad._meta import RankCall
 from distgrad.collectives import _common as c
 from distgrad.collectives._differentiable import Adjoint, Collective, Plan, apply
@@ -72,7 +73,7 @@ def apply_all_to_all(
 @offers_async_op
 def all_to_all(
     x: Tensor,
-    group: ProcessGroup | None = None,
+    group: GroupLike = None,
     *,
     dim: int = 0,
     input_sizes: Sequence[int] | None = None,

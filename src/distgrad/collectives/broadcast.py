@@ -12,7 +12,8 @@ from torch import Tensor
 
 from distgrad import _ops
 from distgrad._async import offers_async_op
-from distgrad._group import Group, ProcessGroup
+from distgrad._group import Group
+from distgrad._mesh import GroupLike
 from distgrad.collectives import _common as c
 from distgrad.collectives._differentiable import Adjoint, Collective, Plan, apply
 from distgrad.collectives._fields import Choice, Rank, Reduction
@@ -68,7 +69,7 @@ class _ReduceSum(Collective):
 def broadcast(
     x: Tensor,
     src: int,
-    group: ProcessGroup | None = None,
+    group: GroupLike = None,
     *,
     objective: c.Objective = "sum",
     async_op: bool = False,
@@ -103,7 +104,7 @@ def reduce(
     x: Tensor,
     dst: int,
     op: c.ReduceOp = "sum",
-    group: ProcessGroup | None = None,
+    group: GroupLike = None,
     *,
     async_op: bool = False,
 ) -> Tensor:

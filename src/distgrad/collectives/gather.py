@@ -13,7 +13,8 @@ from torch import Tensor
 
 from distgrad import _comm, _ops
 from distgrad._async import offers_async_op
-from distgrad._group import Group, ProcessGroup
+from distgrad._group import Group
+from distgrad._mesh import GroupLike
 from distgrad._meta import RankCall
 from distgrad.collectives import _common as c
 from distgrad.collectives._differentiable import Adjoint, Collective, Plan, apply
@@ -95,7 +96,7 @@ def apply_gather(x: Tensor, group: Group, sizes: tuple[int, ...], dim: int, dst:
 def gather(
     x: Tensor,
     dst: int,
-    group: ProcessGroup | None = None,
+    group: GroupLike = None,
     *,
     dim: int = 0,
     sizes: Sequence[int] | None = None,
@@ -133,7 +134,7 @@ def gather(
 def scatter(
     x: Tensor | None,
     src: int,
-    group: ProcessGroup | None = None,
+    group: GroupLike = None,
     *,
     dim: int = 0,
     sizes: Sequence[int] | None = None,

@@ -9,7 +9,8 @@ from torch import Tensor
 
 from distgrad import _ops
 from distgrad._async import offers_async_op
-from distgrad._group import Group, ProcessGroup
+from distgrad._group import Group
+from distgrad._mesh import GroupLike
 from distgrad._meta import show
 from distgrad.collectives import _common as c
 from distgrad.collectives._differentiable import Adjoint, Collective, Plan, apply
@@ -55,7 +56,7 @@ class _Permute(Collective):
 def permute(
     x: Tensor,
     perm: Sequence[int],
-    group: ProcessGroup | None = None,
+    group: GroupLike = None,
     *,
     recv_shape: Sequence[int] | None = None,
     async_op: bool = False,

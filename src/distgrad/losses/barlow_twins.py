@@ -10,7 +10,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from distgrad._group import ProcessGroup, resolve
+from distgrad._group import resolve
+from distgrad._mesh import GroupLike
 from distgrad.collectives.all_reduce import apply_all_reduce
 from distgrad.losses._global import batch_sizes
 from distgrad.losses.contrastive import _pair_problem
@@ -24,7 +25,7 @@ def barlow_twins(
     *,
     lambda_offdiag: float = 5e-3,
     eps: float = 1e-5,
-    group: ProcessGroup | None = None,
+    group: GroupLike = None,
     sizes: Sequence[int] | None = None,
 ) -> Tensor:
     """Barlow Twins: push the cross-correlation of the two views' embeddings to the identity.

@@ -42,7 +42,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import FunctionCtx
 
-from distgrad._group import Group, ProcessGroup, resolve
+from distgrad._group import Group, resolve
+from distgrad._mesh import GroupLike
 from distgrad.collectives._signature import checks_this_call
 from distgrad.collectives.all_gather import apply_all_gather
 from distgrad.losses._blockwise import ring_clip, ring_reduce
@@ -118,7 +119,7 @@ def _check(
     b: Tensor,
     names: str,
     positive: dict[str, Scalar],
-    group: ProcessGroup | None,
+    group: GroupLike,
     sizes: Sequence[int] | None,
     block_size: BlockSize,
 ) -> tuple[Group, tuple[int, ...]]:
@@ -169,7 +170,7 @@ def info_nce(
     *,
     temperature: Scalar = 0.1,
     normalize: bool = True,
-    group: ProcessGroup | None = None,
+    group: GroupLike = None,
     sizes: Sequence[int] | None = None,
     block_size: BlockSize = None,
 ) -> Tensor:
@@ -205,7 +206,7 @@ def clip_loss(
     logit_scale: Scalar = 1 / 0.07,
     *,
     normalize: bool = True,
-    group: ProcessGroup | None = None,
+    group: GroupLike = None,
     sizes: Sequence[int] | None = None,
     block_size: BlockSize = None,
 ) -> Tensor:
@@ -296,7 +297,7 @@ def nt_xent(
     *,
     temperature: Scalar = 0.5,
     normalize: bool = True,
-    group: ProcessGroup | None = None,
+    group: GroupLike = None,
     sizes: Sequence[int] | None = None,
     block_size: BlockSize = None,
 ) -> Tensor:
@@ -337,7 +338,7 @@ def siglip_loss(
     logit_bias: Scalar = -10.0,
     *,
     normalize: bool = True,
-    group: ProcessGroup | None = None,
+    group: GroupLike = None,
     sizes: Sequence[int] | None = None,
     block_size: BlockSize = None,
 ) -> Tensor:

@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from distgrad._group import ProcessGroup
+from distgrad._mesh import GroupLike
 from distgrad.collectives.all_reduce import all_reduce
 from distgrad.losses._compat import renamed
 from distgrad.losses.barlow_twins import barlow_twins
@@ -34,7 +34,7 @@ from distgrad.losses.contrastive import BlockSize, clip_loss, info_nce, nt_xent,
 __all__ = ["BarlowTwinsLoss", "CLIPLoss", "InfoNCELoss", "NTXentLoss", "SigLIPLoss"]
 
 
-def _replicated(p: Tensor, group: ProcessGroup | None) -> Tensor:
+def _replicated(p: Tensor, group: GroupLike) -> Tensor:
     """``p`` (the same on every rank) as a 0-dim tensor; its gradient becomes the average over
     ranks."""
     if not (p.requires_grad and torch.is_grad_enabled()):  # a fixed scalar: nothing to average
@@ -89,7 +89,7 @@ class _Temperature(_LossModule):
         temperature: float,
         learnable: bool,
         normalize: bool,
-        group: ProcessGroup | None,
+        group: GroupLike,
         block_size: BlockSize,
     ) -> None:
         super().__init__()
@@ -111,7 +111,7 @@ class NTXentLoss(_Temperature):
         *,
         learnable: bool = False,
         normalize: bool = True,
-        group: ProcessGroup | None = None,
+        group: GroupLike = None,
         block_size: BlockSize = None,
     ) -> None:
         super().__init__(temperature, learnable, normalize, group, block_size)
@@ -139,7 +139,7 @@ class InfoNCELoss(_Temperature):
         *,
         learnable: bool = False,
         normalize: bool = True,
-        group: ProcessGroup | None = None,
+        group: GroupLike = None,
         block_size: BlockSize = None,
     ) -> None:
         super().__init__(temperature, learnable, normalize, group, block_size)
@@ -173,7 +173,7 @@ class CLIPLoss(_LossModule):
         *,
         max_logit_scale: float = 100.0,
         normalize: bool = True,
-        group: ProcessGroup | None = None,
+        group: GroupLike = None,
         block_size: BlockSize = None,
     ) -> None:
         super().__init__()
@@ -213,7 +213,7 @@ class SigLIPLoss(_LossModule):
         logit_bias: float = -10.0,
         *,
         normalize: bool = True,
-        group: ProcessGroup | None = None,
+        group: GroupLike = None,
         block_size: BlockSize = None,
     ) -> None:
         super().__init__()
@@ -239,7 +239,7 @@ class BarlowTwinsLoss(nn.Module):
     """:func:`~distgrad.losses.barlow_twins` as a module (no learnable state)."""
 
     def __init__(
-        self, lambda_offdiag: float = 5e-3, *, eps: float = 1e-5, group: ProcessGroup | None = None
+        self, lambda_offdiag: float = 5e-3, *, eps: float = 1e-5, group: GroupLike = None
     ) -> None:
         super().__init__()
         self.lambda_offdiag, self.eps, self.group = lambda_offdiag, eps, group
