@@ -49,7 +49,7 @@ SIZES = {"4 KB": 8, "32 KB": 64, "256 KB": 512}
 Candidate = Callable[[], torch.Tensor]
 
 # distgrad's pairs exchange (what its large all_gather runs), callable on its own.
-_BY_PAIRS = _comm._ExchangeOp(_comm._exchange_by_pairs)
+_BY_PAIRS = _comm.ExchangeOp(_comm._exchange_by_pairs)
 
 
 def _reduce_scatter(x: torch.Tensor, group: Group) -> dict[str, Candidate]:

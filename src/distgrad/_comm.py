@@ -61,6 +61,7 @@ from distgrad._group import Group, collectives_unsettled, note_collective, settl
 
 __all__ = [
     "Exchange",
+    "ExchangeOp",
     "Pending",
     "Steps",
     "all_gather",
@@ -349,7 +350,7 @@ class Pending(Generic[_T]):
         return self._value
 
 
-class _ExchangeOp(Generic[_P, _T]):
+class ExchangeOp(Generic[_P, _T]):
     """An op written as steps: call it to run it through, or ``start`` it (see above)."""
 
     def __init__(self, steps: Callable[_P, Steps[_T]]) -> None:
@@ -501,7 +502,7 @@ def _exchange_by_pairs(
     yield exchange
 
 
-@_ExchangeOp
+@ExchangeOp
 @_staged_on_gloo
 def all_gather(x: Tensor, sizes: Sequence[int], group: Group) -> Steps[Tensor]:
     """Concatenate every rank's ``x`` along dim 0; ``sizes[i]`` is rank i's row count."""
@@ -564,7 +565,7 @@ def _all_gather(x: Tensor, sizes: Sequence[int], group: Group) -> Steps[Tensor]:
     return _trim_cat(out, sizes)
 
 
-@_ExchangeOp
+@ExchangeOp
 @_staged_on_gloo
 def reduce_scatter(x: Tensor, sizes: Sequence[int], group: Group) -> Steps[Tensor]:
     """Sum ``x`` over ranks and return this rank's slice (``sizes[rank]`` rows) of the sum."""
@@ -589,7 +590,7 @@ def reduce_scatter(x: Tensor, sizes: Sequence[int], group: Group) -> Steps[Tenso
     return slices.view(group.size, mine, *x.shape[1:]).sum(0)
 
 
-@_ExchangeOp
+@ExchangeOp
 @_staged_on_gloo
 def all_to_all(
     x: Tensor, input_sizes: Sequence[int], output_sizes: Sequence[int], group: Group
@@ -651,7 +652,7 @@ GLOO_ALL_TO_ALL_BELOW_BYTES = 32 * 1024 * 1024
 _ALL_TO_ALL_OPTIONS = AllToAllOptions()
 
 
-@_ExchangeOp
+@ExchangeOp
 @_staged_on_gloo
 def permute(
     x: Tensor, perm: Sequence[int], recv_shape: Sequence[int], group: Group
@@ -681,7 +682,7 @@ def permute(
 # Collectives
 
 
-@_ExchangeOp
+@ExchangeOp
 @_staged_on_gloo
 def all_reduce(x: Tensor, op: str, group: Group) -> Steps[Tensor]:
     """Reduce ``x`` over ranks with ``op`` in sum, prod, max, min; every rank gets the result."""
@@ -718,7 +719,7 @@ def _with_tail(x: Tensor, tag: _guard.Tag | None) -> tuple[Tensor, int]:
     return torch.cat([x.reshape(-1), _guard.tag_tensor(tag, x.dtype, x.device)]), x.numel()
 
 
-@_ExchangeOp
+@ExchangeOp
 @_staged_on_gloo
 def broadcast(x: Tensor, src: int, group: Group) -> Steps[Tensor]:
     """Every rank gets group rank ``src``'s ``x`` (other ranks' values are not read)."""
@@ -765,7 +766,7 @@ def _broadcast(out: Tensor, src: int, group: Group) -> Steps[None]:
         yield _begin(group, group.pg.broadcast, [moved], opts)
 
 
-@_ExchangeOp
+@ExchangeOp
 @_staged_on_gloo
 def reduce(x: Tensor, dst: int, group: Group) -> Steps[Tensor | None]:
     """The sum of ``x`` over ranks on group rank ``dst``; None on the other ranks."""
@@ -795,7 +796,7 @@ def reduce(x: Tensor, dst: int, group: Group) -> Steps[Tensor | None]:
     return _leading(out, x.shape)
 
 
-@_ExchangeOp
+@ExchangeOp
 @_staged_on_gloo
 def gather(x: Tensor, sizes: Sequence[int], dst: int, group: Group) -> Steps[Tensor | None]:
     """Rank ``dst`` gets every rank's ``x`` concatenated along dim 0; None elsewhere."""
@@ -836,7 +837,7 @@ def _gather(x: Tensor, sizes: Sequence[int], dst: int, group: Group) -> Steps[Te
     return _trim_cat(out, sizes) if out is not None else None
 
 
-@_ExchangeOp
+@ExchangeOp
 def scatter(
     x: Tensor | None,
     sizes: Sequence[int],

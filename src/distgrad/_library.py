@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Op", "op"]
+__all__ = ["Op", "define", "op"]
 
 # Kept for the life of the process: the definitions go when this object does.
 _LIBRARY = torch.library.Library("distgrad", "FRAGMENT")  # type: ignore[no-untyped-call]
@@ -50,3 +50,13 @@ def op(name: str) -> Callable[[Callable[..., Any]], Op]:
         return Op(name, kernel)
 
     return define
+
+
+def define(name: str, schema: str, kernel: Callable[..., Any], fake: Callable[..., Any]) -> None:
+    """Define ``distgrad::<name>`` from a written ``schema`` (its ``token`` argument marked
+    mutated, ``Tensor(a!) token``), with ``kernel`` for every backend and ``fake`` for tracing:
+    for a kernel that takes its arguments generically (``distgrad._ops.Exchange``), where no
+    annotations can give the schema."""
+    _LIBRARY.define(name + schema)  # type: ignore[no-untyped-call]
+    _LIBRARY.impl(name, kernel, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
+    torch.library.register_fake(f"distgrad::{name}", fake, lib=_LIBRARY)

@@ -9,6 +9,15 @@ node runs the same ``_comm`` code when the graph runs. The autograd formulas sta
 are (the ``autograd.Function`` of each collective, which the compiler traces through): one
 definition of every adjoint for both modes.
 
+Each exchange is declared once (:class:`Exchange`): the ``_comm`` op that does the work, the
+schema of its arguments, its output's metadata as one function of its arguments, and what
+becomes of a rank's empty result. From that declaration come the four forms an exchange
+takes: the eager call, the ``async_op=True`` branch (an in-flight result whose shape is the
+declared one), the ``distgrad::`` custom op, and its fake kernel (the declared shape again),
+so a shape is written once and the async result and the compiled graph cannot disagree about
+it (``tests/collectives/test_exchanges.py`` checks the declaration against the eager result).
+A new exchange is one declaration here and its steps in ``_comm``.
+
 Why custom ops rather than torch's functional collectives underneath: those take no uneven
 sizes for all_gather and reduce_scatter, have no gather, scatter or point-to-point, and would
 be a second implementation of every exchange beside the eager one; a custom op runs the very
@@ -18,8 +27,9 @@ takes no Python objects), as in torch's functional collectives.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed.distributed_c10d as c10d
@@ -28,21 +38,23 @@ from torch import Tensor
 from distgrad import _comm
 from distgrad._async import deferring, resolved, started
 from distgrad._group import Group, resolve
-from distgrad._library import op
+from distgrad._library import define
 
 __all__ = [
+    "EXCHANGES",
+    "Exchange",
     "all_gather",
-    "group_named",
-    "order_token",
-    "traced",
     "all_reduce",
     "all_to_all",
     "broadcast",
     "gather",
+    "group_named",
+    "order_token",
     "permute",
     "reduce",
     "reduce_scatter",
     "scatter",
+    "traced",
 ]
 
 
@@ -53,6 +65,9 @@ __all__ = [
 # destination, and a step whose exchanges had rank-dependent sizes ran them in different orders
 # on two ranks. Ops that write one tensor can be neither removed nor reordered (torch's ordered
 # effects did not stop the reordering in torch 2.13's inductor; a shared mutated argument does).
+# torch's own functional collectives (torch.ops._c10d_functional) take no such argument: put in
+# the same graph as these ops, inductor moved them (a compiled step with a permute after an
+# all_reduce hung, each rank in a different exchange), so every exchange here is a custom op.
 _tokens: dict[torch.device, Tensor] = {}
 
 
@@ -74,11 +89,6 @@ def _token_on(device: str) -> Tensor:
     return found
 
 
-def _meta(shape: Sequence[int], dtype: torch.dtype) -> Tensor:
-    """The metadata of an output in flight (``async_op=True``): its shape, dtype, contiguous."""
-    return torch.empty(tuple(shape), dtype=dtype, device="meta")
-
-
 def traced(group: Group) -> bool:
     """Whether to emit a custom op: while compiling, for a real group (alone is plain torch)."""
     return group.pg is not None and torch.compiler.is_compiling()
@@ -91,262 +101,176 @@ def group_named(name: str) -> Group:
     return resolve(found)
 
 
-def all_gather(x: Tensor, sizes: Sequence[int], group: Group) -> Tensor:
-    if traced(group):
-        out: Tensor = torch.ops.distgrad.all_gather(x, list(sizes), group.name, order_token(x))
-        return out
-    x = resolved(x)
-    if deferring():
-        like = _meta((sum(sizes), *x.shape[1:]), x.dtype)
-        return started(_comm.all_gather.start(x, sizes, group), like, x.device)
-    return _comm.all_gather(x, sizes, group)
+# What an exchange's output is, from its arguments: (shape, dtype, device).
+Meta = tuple[Sequence[int], torch.dtype, torch.device]
 
 
-@op("all_gather")
-def _all_gather(x: Tensor, sizes: list[int], group: str, token: Tensor) -> Tensor:
-    return _comm.all_gather(x, sizes, group_named(group))
+@dataclass(frozen=True)
+class Exchange:
+    """One exchange, declared once; calling it runs it (eagerly, in flight, or traced).
 
+    * ``name``: the custom op's name (``distgrad::<name>``);
+    * ``comm``: the ``_comm`` op that does the work, called as ``comm(x, *args, group)``;
+    * ``schema``: its arguments after ``x``, in ``torch.library`` schema words (``int[] sizes,
+      int dst``); every custom op also takes this rank's group rank, the group's registered
+      name and the order token;
+    * ``meta(x, *args, rank)``: the output's shape, dtype and device;
+    * ``empty``: what a rank whose ``comm`` returns ``None`` (off a reduce's or gather's
+      destination) gets instead, from the input: zeros or an empty slice;
+    * ``takes_none``: ``x`` may be ``None`` (scatter's receivers).
+    """
 
-@_all_gather.register_fake
-def _(x: Tensor, sizes: list[int], group: str, token: Tensor) -> Tensor:
-    return x.new_empty((sum(sizes), *x.shape[1:]))
+    name: str
+    comm: _comm.ExchangeOp[..., Any]
+    schema: str
+    meta: Callable[..., Meta]
+    empty: Callable[[Tensor], Tensor] | None = None
+    takes_none: bool = False
 
-
-def reduce_scatter(x: Tensor, sizes: Sequence[int], group: Group) -> Tensor:
-    if traced(group):
-        out: Tensor = torch.ops.distgrad.reduce_scatter(
-            x, list(sizes), group.rank, group.name, order_token(x)
+    def __post_init__(self) -> None:
+        x = "Tensor? x" if self.takes_none else "Tensor x"
+        define(
+            self.name,
+            f"({x}, {self.schema}, int rank, str group, Tensor(a!) token) -> Tensor",
+            self._kernel,
+            self._fake,
         )
+
+    def __call__(self, x: Tensor | None, *passed: Any) -> Tensor:
+        *args, group = passed
+        if traced(group):
+            token = order_token(x if x is not None else args[-1])  # scatter: its device
+            custom = getattr(torch.ops.distgrad, self.name)
+            out: Tensor = custom(x, *map(_listed, args), group.rank, group.name, token)
+            return out
+        if x is not None:
+            x = resolved(x)
+        if deferring():
+            shape, dtype, device = self.meta(x, *args, group.rank)
+            like = torch.empty(tuple(shape), dtype=dtype, device="meta")
+            pending = self.comm.start(x, *args, group)
+            return started(pending, like, device, self._finisher(x))
+        out = self.comm(x, *args, group)
+        return out if out is not None else self._result(out, x)
+
+    def _result(self, out: Tensor | None, x: Tensor | None) -> Tensor:
+        if out is None:
+            assert self.empty is not None and x is not None, self.name
+            return self.empty(x)
         return out
-    x = resolved(x)
-    if deferring():
-        like = _meta((sizes[group.rank], *x.shape[1:]), x.dtype)
-        return started(_comm.reduce_scatter.start(x, sizes, group), like, x.device)
-    return _comm.reduce_scatter(x, sizes, group)
+
+    def _finisher(self, x: Tensor | None) -> Callable[[Any], Tensor] | None:
+        if self.empty is None:
+            return None
+        return lambda out: self._result(out, x)
+
+    def _kernel(self, x: Tensor | None, *passed: Any) -> Tensor:
+        *args, _rank, group, _token = passed
+        out = self._result(self.comm(x, *args, group_named(group)), x)
+        # A custom op's output may share memory with nothing the caller can see: a view of a
+        # receive buffer (scatter's slice) is copied; it is the buffer's only view, so cheaply.
+        return out if out._base is None else out.clone()
+
+    def _fake(self, x: Tensor | None, *passed: Any) -> Tensor:
+        *args, rank, _group, _token = passed
+        shape, dtype, device = self.meta(x, *args, rank)
+        return torch.empty(tuple(shape), dtype=dtype, device=device)
 
 
-@op("reduce_scatter")
-def _reduce_scatter(x: Tensor, sizes: list[int], rank: int, group: str, token: Tensor) -> Tensor:
-    return _comm.reduce_scatter(x, sizes, group_named(group))
+def _listed(arg: Any) -> Any:
+    """A custom op takes lists where the eager call takes any sequence of ints."""
+    return list(arg) if isinstance(arg, tuple) else arg
 
 
-@_reduce_scatter.register_fake
-def _(x: Tensor, sizes: list[int], rank: int, group: str, token: Tensor) -> Tensor:
-    return x.new_empty((sizes[rank], *x.shape[1:]))
+def _like(x: Tensor, shape: Sequence[int]) -> Meta:
+    return shape, x.dtype, x.device
 
 
-def all_to_all(
-    x: Tensor, input_sizes: Sequence[int], output_sizes: Sequence[int], group: Group
-) -> Tensor:
-    if traced(group):
-        out: Tensor = torch.ops.distgrad.all_to_all(
-            x, list(input_sizes), list(output_sizes), group.name, order_token(x)
-        )
-        return out
-    x = resolved(x)
-    if deferring():
-        like = _meta((sum(output_sizes), *x.shape[1:]), x.dtype)
-        pending = _comm.all_to_all.start(x, input_sizes, output_sizes, group)
-        return started(pending, like, x.device)
-    return _comm.all_to_all(x, input_sizes, output_sizes, group)
+def _rows(x: Tensor, rows: int) -> Meta:
+    return _like(x, (rows, *x.shape[1:]))
 
 
-@op("all_to_all")
-def _all_to_all(
-    x: Tensor, input_sizes: list[int], output_sizes: list[int], group: str, token: Tensor
-) -> Tensor:
-    return _comm.all_to_all(x, input_sizes, output_sizes, group_named(group))
+def _zeros(x: Tensor) -> Tensor:
+    return torch.zeros_like(x, memory_format=torch.contiguous_format)
 
 
-@_all_to_all.register_fake
-def _(
-    x: Tensor, input_sizes: list[int], output_sizes: list[int], group: str, token: Tensor
-) -> Tensor:
-    return x.new_empty((sum(output_sizes), *x.shape[1:]))
+def _no_rows(x: Tensor) -> Tensor:
+    return x.new_empty((0, *x.shape[1:]))
 
 
-def all_reduce(x: Tensor, op: str, group: Group) -> Tensor:
-    if traced(group):
-        out: Tensor = torch.ops.distgrad.all_reduce(x, op, group.name, order_token(x))
-        return out
-    x = resolved(x)
-    if deferring():
-        like = _meta(x.shape, x.dtype)
-        return started(_comm.all_reduce.start(x, op, group), like, x.device)
-    return _comm.all_reduce(x, op, group)
+# Each exchange: its steps (_comm), its arguments, its output. Dim 0 throughout.
+all_gather = Exchange(
+    "all_gather",
+    _comm.all_gather,
+    "int[] sizes",
+    lambda x, sizes, rank: _rows(x, sum(sizes)),
+)
+reduce_scatter = Exchange(
+    "reduce_scatter",
+    _comm.reduce_scatter,
+    "int[] sizes",
+    lambda x, sizes, rank: _rows(x, sizes[rank]),
+)
+all_to_all = Exchange(
+    "all_to_all",
+    _comm.all_to_all,
+    "int[] input_sizes, int[] output_sizes",
+    lambda x, input_sizes, output_sizes, rank: _rows(x, sum(output_sizes)),
+)
+all_reduce = Exchange(
+    "all_reduce",
+    _comm.all_reduce,
+    "str op",
+    lambda x, op, rank: _like(x, x.shape),
+)
+broadcast = Exchange(
+    "broadcast",
+    _comm.broadcast,
+    "int src",
+    lambda x, src, rank: _like(x, x.shape),
+)
+# The sum over ranks on dst; zeros (a constant) on every other rank.
+reduce = Exchange(
+    "reduce",
+    _comm.reduce,
+    "int dst",
+    lambda x, dst, rank: _like(x, x.shape),
+    empty=_zeros,
+)
+# Every rank's x concatenated on dst; an empty slice (0 rows) on every other rank.
+gather = Exchange(
+    "gather",
+    _comm.gather,
+    "int[] sizes, int dst",
+    lambda x, sizes, dst, rank: _rows(x, sum(sizes) if rank == dst else 0),
+    empty=_no_rows,
+)
+scatter = Exchange(
+    "scatter",
+    _comm.scatter,
+    "int[] sizes, int src, int[] trailing, ScalarType dtype, Device device",
+    lambda x, sizes, src, trailing, dtype, device, rank: (
+        (sizes[rank], *trailing),
+        dtype,
+        device,
+    ),
+    takes_none=True,
+)
+permute = Exchange(
+    "permute",
+    _comm.permute,
+    "int[] perm, int[] recv_shape",
+    lambda x, perm, recv_shape, rank: _like(x, recv_shape),
+)
 
-
-@op("all_reduce")
-def _all_reduce(x: Tensor, op: str, group: str, token: Tensor) -> Tensor:
-    return _comm.all_reduce(x, op, group_named(group))
-
-
-@_all_reduce.register_fake
-def _(x: Tensor, op: str, group: str, token: Tensor) -> Tensor:
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
-
-
-def broadcast(x: Tensor, src: int, group: Group) -> Tensor:
-    if traced(group):
-        out: Tensor = torch.ops.distgrad.broadcast(x, src, group.name, order_token(x))
-        return out
-    x = resolved(x)
-    if deferring():
-        like = _meta(x.shape, x.dtype)
-        return started(_comm.broadcast.start(x, src, group), like, x.device)
-    return _comm.broadcast(x, src, group)
-
-
-@op("broadcast")
-def _broadcast(x: Tensor, src: int, group: str, token: Tensor) -> Tensor:
-    return _comm.broadcast(x, src, group_named(group))
-
-
-@_broadcast.register_fake
-def _(x: Tensor, src: int, group: str, token: Tensor) -> Tensor:
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
-
-
-def reduce(x: Tensor, dst: int, group: Group) -> Tensor:
-    """The sum over ranks on ``dst``; zeros (a constant) on every other rank."""
-    if traced(group):
-        out: Tensor = torch.ops.distgrad.reduce(x, dst, group.name, order_token(x))
-        return out
-    x = resolved(x)
-    if deferring():
-        pending = _comm.reduce.start(x, dst, group)
-        finish = functools.partial(_or_zeros, like=x)
-        return started(pending, _meta(x.shape, x.dtype), x.device, finish)
-    return _reduce_or_zeros(x, dst, group)
-
-
-def _reduce_or_zeros(x: Tensor, dst: int, group: Group) -> Tensor:
-    return _or_zeros(_comm.reduce(x, dst, group), x)
-
-
-def _or_zeros(out: Tensor | None, like: Tensor) -> Tensor:
-    return out if out is not None else torch.zeros_like(like, memory_format=torch.contiguous_format)
-
-
-@op("reduce")
-def _reduce(x: Tensor, dst: int, group: str, token: Tensor) -> Tensor:
-    return _reduce_or_zeros(x, dst, group_named(group))
-
-
-@_reduce.register_fake
-def _(x: Tensor, dst: int, group: str, token: Tensor) -> Tensor:
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
-
-
-def gather(x: Tensor, sizes: Sequence[int], dst: int, group: Group) -> Tensor:
-    """Every rank's ``x`` concatenated on ``dst``; an empty slice (0 rows) on every other rank."""
-    if traced(group):
-        out: Tensor = torch.ops.distgrad.gather(
-            x, list(sizes), dst, group.rank, group.name, order_token(x)
-        )
-        return out
-    x = resolved(x)
-    if deferring():
-        rows = sum(sizes) if group.rank == dst else 0
-        pending = _comm.gather.start(x, sizes, dst, group)
-        finish = functools.partial(_or_empty, like=x)
-        return started(pending, _meta((rows, *x.shape[1:]), x.dtype), x.device, finish)
-    return _gather_or_empty(x, sizes, dst, group)
-
-
-def _gather_or_empty(x: Tensor, sizes: Sequence[int], dst: int, group: Group) -> Tensor:
-    return _or_empty(_comm.gather(x, sizes, dst, group), x)
-
-
-def _or_empty(out: Tensor | None, like: Tensor) -> Tensor:
-    return out if out is not None else like.new_empty((0, *like.shape[1:]))
-
-
-@op("gather")
-def _gather(x: Tensor, sizes: list[int], dst: int, rank: int, group: str, token: Tensor) -> Tensor:
-    return _gather_or_empty(x, sizes, dst, group_named(group))
-
-
-@_gather.register_fake
-def _(x: Tensor, sizes: list[int], dst: int, rank: int, group: str, token: Tensor) -> Tensor:
-    return x.new_empty((sum(sizes) if rank == dst else 0, *x.shape[1:]))
-
-
-def scatter(
-    x: Tensor | None,
-    sizes: Sequence[int],
-    src: int,
-    trailing: Sequence[int],
-    dtype: torch.dtype,
-    device: torch.device,
-    group: Group,
-) -> Tensor:
-    if traced(group):
-        token = order_token(device)
-        out: Tensor = torch.ops.distgrad.scatter(
-            x, list(sizes), src, list(trailing), dtype, device, group.rank, group.name, token
-        )
-        return out
-    x = None if x is None else resolved(x)
-    if deferring():
-        like = _meta((sizes[group.rank], *trailing), dtype)
-        pending = _comm.scatter.start(x, sizes, src, trailing, dtype, device, group)
-        return started(pending, like, device)
-    return _comm.scatter(x, sizes, src, trailing, dtype, device, group)
-
-
-@op("scatter")
-def _scatter(
-    x: Tensor | None,
-    sizes: list[int],
-    src: int,
-    trailing: list[int],
-    dtype: torch.dtype,
-    device: torch.device,
-    rank: int,
-    group: str,
-    token: Tensor,
-) -> Tensor:
-    # A slice of the receive buffer would share its storage, which a custom op's output may
-    # not do with anything the caller can see; it is the buffer's only view, so this is cheap.
-    return _comm.scatter(x, sizes, src, trailing, dtype, device, group_named(group)).clone()
-
-
-@_scatter.register_fake
-def _(
-    x: Tensor | None,
-    sizes: list[int],
-    src: int,
-    trailing: list[int],
-    dtype: torch.dtype,
-    device: torch.device,
-    rank: int,
-    group: str,
-    token: Tensor,
-) -> Tensor:
-    return torch.empty((sizes[rank], *trailing), dtype=dtype, device=device)
-
-
-def permute(x: Tensor, perm: Sequence[int], recv_shape: Sequence[int], group: Group) -> Tensor:
-    if traced(group):
-        out: Tensor = torch.ops.distgrad.permute(
-            x, list(perm), list(recv_shape), group.name, order_token(x)
-        )
-        return out
-    x = resolved(x)
-    if deferring():
-        like = _meta(recv_shape, x.dtype)
-        return started(_comm.permute.start(x, perm, recv_shape, group), like, x.device)
-    return _comm.permute(x, perm, recv_shape, group)
-
-
-@op("permute")
-def _permute(
-    x: Tensor, perm: list[int], recv_shape: list[int], group: str, token: Tensor
-) -> Tensor:
-    return _comm.permute(x, perm, recv_shape, group_named(group))
-
-
-@_permute.register_fake
-def _(x: Tensor, perm: list[int], recv_shape: list[int], group: str, token: Tensor) -> Tensor:
-    return x.new_empty(recv_shape)
+EXCHANGES: tuple[Exchange, ...] = (
+    all_gather,
+    reduce_scatter,
+    all_to_all,
+    all_reduce,
+    broadcast,
+    reduce,
+    gather,
+    scatter,
+    permute,
+)

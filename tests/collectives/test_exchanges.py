@@ -1,0 +1,61 @@
+"""Each exchange's declared output (``distgrad._ops.Exchange.meta``, which the async result and
+the compiled graph's fake kernel both use) is what its eager call returns, on every rank, for
+even and uneven sizes and for the ranks off a root: shape, dtype and device. A declaration that
+drifted from its ``_comm`` steps would give a compiled graph or an in-flight result the wrong
+shape while eager stayed right."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from distgrad import _ops
+from distgrad._group import resolve
+from distgrad.testing import run_on_ranks
+from tests._support import seeded
+
+
+def _cases(rank: int, n: int) -> dict[str, tuple[Any, ...]]:
+    """name -> (x, *args) for every exchange, with sizes that differ between ranks."""
+    sizes = [r + 1 for r in range(n)]  # rank r has r + 1 rows
+    x = torch.randn(sizes[rank], 3, generator=seeded(rank), dtype=torch.float64)
+    whole = torch.randn(sum(sizes), 3, generator=seeded(10 + rank), dtype=torch.float64)
+    to_first = [sizes[rank] if r == 0 else 0 for r in range(n)]
+    from_all = [sizes[r] for r in range(n)] if rank == 0 else [0] * n
+    ring = [(r + 1) % n for r in range(n)]
+    return {
+        "all_gather": (x, sizes),
+        "reduce_scatter": (whole, sizes),
+        "all_to_all": (x, to_first, from_all),
+        "all_reduce": (whole, "max"),
+        "broadcast": (whole, n - 1),
+        "reduce": (whole, 0),
+        "gather": (x, sizes, 0),
+        "scatter": (whole if rank == 1 else None, sizes, 1, [3], torch.float64, x.device),
+        "permute": (whole, ring, list(whole.shape)),
+    }
+
+
+def _compare(rank: int, n: int) -> list[str]:
+    group = resolve(None)
+    found = []
+    cases = _cases(rank, n)
+    assert set(cases) == {e.name for e in _ops.EXCHANGES}  # every exchange has a case
+    for exchange in _ops.EXCHANGES:
+        x, *args = cases[exchange.name]
+        out = exchange(x, *args, group)
+        shape, dtype, device = exchange.meta(x, *args, group.rank)
+        if (tuple(out.shape), out.dtype, out.device) != (tuple(shape), dtype, device):
+            found.append(
+                f"{exchange.name} on rank {rank}: eager {tuple(out.shape)} {out.dtype} "
+                f"{out.device}, declared {tuple(shape)} {dtype} {device}"
+            )
+    return found
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_every_exchange_returns_its_declared_output(n: int) -> None:
+    for found in run_on_ranks(_compare, n):
+        assert not found, "\n".join(found)
