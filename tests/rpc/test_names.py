@@ -4,6 +4,7 @@ like rpc_sync/rpc_async/remote, and their gradients equal local autograd's (both
 
 from __future__ import annotations
 
+import contextlib
 import io
 
 import pytest
@@ -25,6 +26,7 @@ def _names(rank: int, world_size: int) -> None:
     assert dgrpc.get_worker_info().name == "worker0"
     assert dgrpc.BackendType.TENSORPIPE is torch_rpc.BackendType.TENSORPIPE
     assert dgrpc.TensorPipeRpcBackendOptions is torch_rpc.TensorPipeRpcBackendOptions
+    _missing_attribute()
     for mode in H.MODES:
         _proxies(mode)
         _async_function(mode)
@@ -58,6 +60,38 @@ def _proxies(mode: str) -> None:
     H.assert_close(got_x, want_x, f"{mode}: x", **tol)
     H.assert_close(got_w, want_w, f"{mode}: server's w", **tol)
     H.assert_close(got_s, want_s, f"{mode}: scaler's w")
+
+
+class _HoldsACallable:
+    """A value whose callable is an attribute of the instance, not of its type."""
+
+    def __init__(self) -> None:
+        self.double = _double
+
+
+def _double(x: torch.Tensor) -> torch.Tensor:
+    return 2 * x
+
+
+def _missing_attribute() -> None:
+    """[torch's test_rref_proxy_non_exist] A name the value does not have raises torch's
+    AttributeError: at the call for rpc_sync() and remote(), from the future's wait() for
+    rpc_async(), inside a context too. distgrad's own: a callable the instance holds (torch's
+    proxies look only at the type) is called."""
+    rref = dgrpc.remote("worker1", torch.add, args=(torch.ones(2, 2), 1))
+    message = "type object 'Tensor' has no attribute 'non_exist'"
+    for cid in (None, 1):
+        with dgrpc.context() if cid else contextlib.nullcontext():
+            with pytest.raises(AttributeError, match=message):
+                rref.rpc_sync().non_exist()
+            with pytest.raises(AttributeError, match=message):
+                rref.remote().non_exist()
+            future = rref.rpc_async().non_exist()
+            with pytest.raises(AttributeError, match=message):
+                future.wait()
+    holder = dgrpc.remote("worker1", _HoldsACallable)
+    assert torch.equal(holder.rpc_sync().double(torch.ones(2)), torch.full((2,), 2.0))
+    assert torch.equal(holder.rpc_async().double(torch.ones(2)).wait(), torch.full((2,), 2.0))
 
 
 def _async_function(mode: str) -> None:

@@ -215,7 +215,14 @@ class _Proxy:
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
         def method(*args: Any, **kwargs: Any) -> Any:
-            invoke = _invoke_async if _method_is_async(self._rref, name) else _invoke
+            try:
+                invoke = _invoke_async if _method_is_async(self._rref, name) else _invoke
+            except AttributeError as missing:
+                if self._call is not rpc_async:
+                    raise
+                failed: Future[Any] = Future()  # as torch's: the future holds the error
+                failed.set_exception(missing)
+                return failed
             args = (self._rref.torch_rref, name, args, kwargs)
             return self._call(self._rref.owner_name(), invoke, args=args, timeout=self._timeout)
 
@@ -237,10 +244,29 @@ def _invoke_async(
 
 def _method_is_async(rref: RRef[Any], name: str) -> bool:
     """Whether the value's method ``name`` is marked ``async_execution`` (its type is asked
-    of the owner once, by torch, as torch's proxies do)."""
-    with _transport.marked():  # torch's own type query, allowed inside a context
+    of the owner once, by torch, as torch's proxies do). A name the value does not have
+    raises torch's AttributeError (``type object 'Tensor' has no attribute 'x'``) here, before
+    any call; one the value has but its type lacks (a submodule, an attribute set in
+    ``__init__``), which torch's proxies refuse, is called (the owner is asked, one RPC)."""
+    with _transport.marked():  # torch's own queries, allowed inside a context
         value_type = rref.torch_rref._get_type(blocking=True)  # type: ignore[call-arg]
-    return _is_async(getattr(value_type, name, None))
+        if issubclass(value_type, torch.jit.ScriptModule | torch._C.ScriptModule):
+            return False  # as torch's: script methods are not on the type
+        found = getattr(value_type, name, None)
+        if found is None and not _value_has(rref, name):
+            getattr(value_type, name)  # torch's error, in torch's words
+    return _is_async(found)
+
+
+def _value_has(rref: RRef[Any], name: str) -> bool:
+    if rref.is_owner():
+        return _has_attribute(rref.torch_rref, name)
+    found: bool = torch_rpc.rpc_sync(rref.owner_name(), _has_attribute, (rref.torch_rref, name))
+    return found
+
+
+def _has_attribute(rref: torch_rpc.RRef[Any], name: str) -> bool:
+    return hasattr(rref.local_value(), name)
 
 
 def _backward_on_owner(
