@@ -7,8 +7,20 @@ minus the fault's time (one machine, one clock). The process-group timeout is 10
 survivor that waited for it shows as about 10 s. ``torch all_gather`` is torch's own
 collective, not distgrad, under the same fault.
 
-Run: ``python benchmarks/faults.py [--trials N] [--quick]`` from the repository root; writes
-``benchmarks/results/faults.md``.
+Two parts, each writing its own section of ``benchmarks/results/faults.md``:
+
+* ``--kills`` (issue 37): repeated SIGKILLs of rank 1 on 2 and 3 ranks, for all_gather,
+  all_reduce and reduce_scatter, forward and backward, at 128 KB and 32 MB, killed either in
+  the wait (the victim sleeps instead of making the call and is killed once its peers have
+  waited ``IN_WAIT_S``) or mid-transfer (0-30 ms into a busy loop of exchanges: inside a 32 MB
+  transfer, or in whichever 128 KB call runs then). Every survivor's time counts, and its
+  verdict: a first line that names rank 1 "still running" or says distgrad "cannot tell" is a
+  wrong verdict for a killed peer. Targets: median <= 50 ms, worst <= 200 ms, no wrong verdict.
+* ``--per-op``: every op on 2 ranks (the table of issue 12), killed as it enters the pass or
+  inside a 32 MB transfer, plus exits and raises.
+
+Run: ``python benchmarks/faults.py --kills [--trials N]`` or ``--per-op [--trials N] [--quick]``
+from the repository root.
 """
 
 from __future__ import annotations
@@ -31,6 +43,129 @@ from tests.faults._inject import LARGE, SMALL, Fault, inject, ops
 
 RESULTS = Path(__file__).parent / "results" / "faults.md"
 PG_TIMEOUT_S = 10.0
+
+
+IN_WAIT_S = 0.1
+KILL_OPS = ("all_gather", "all_reduce", "reduce_scatter")
+KILLS_BEGIN, KILLS_END = "<!-- kills -->", "<!-- /kills -->"
+PER_OP_BEGIN, PER_OP_END = "<!-- per op -->", "<!-- /per op -->"
+WRONG = ("still running", "cannot tell")
+
+
+def kill_trial(fault: Fault, world_size: int) -> list[tuple[float | None, str]]:
+    """Each survivor's (detection seconds or None, first line of its error) for one kill."""
+    failure, fault_at = inject(fault, PG_TIMEOUT_S, PG_TIMEOUT_S + 5, world_size)
+    out: list[tuple[float | None, str]] = []
+    for rank in range(world_size):
+        if rank == 1:
+            continue
+        seen = failure.results.get(rank) if failure is not None else None
+        if seen is None or seen.error_type is None or fault_at is None:
+            out.append((None, "no error seen" if seen is not None else "did not report"))
+        else:
+            out.append((seen.when - fault_at, seen.message.splitlines()[0]))
+    return out
+
+
+def kills(trials: int, rng: random.Random) -> list[str]:
+    """The kill-to-error table: one row per ranks, op, pass, size and kind of kill."""
+    rows = [
+        "| ranks | op | pass | size | killed | times | median ms | worst ms | wrong verdicts "
+        "| named | notes |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for world_size in (2, 3):
+        for op in KILL_OPS:
+            for where in ("forward", "backward"):
+                for shape, size in ((SMALL, "128 KB"), (LARGE, "32 MB")):
+                    for killed in ("in the wait", "mid-transfer"):
+                        rows.append(
+                            _kill_row(world_size, op, where, shape, size, killed, trials, rng)
+                        )
+                        print(rows[-1], flush=True)
+    return rows
+
+
+def _kill_row(
+    world_size: int,
+    op: str,
+    where: str,
+    shape: tuple[int, int],
+    size: str,
+    killed: str,
+    trials: int,
+    rng: random.Random,
+) -> str:
+    times: list[float] = []
+    wrong, named, notes = 0, 0, set()
+    for _ in range(trials):
+        if killed == "in the wait":
+            fault = Fault(op, shape, where, delay=IN_WAIT_S, in_wait=True)
+        else:
+            fault = Fault(op, shape, where, delay=rng.uniform(0.0, 0.03), run_on=1_000_000)
+        for took, first in kill_trial(fault, world_size):
+            if took is None:
+                notes.add(first)
+                continue
+            times.append(took)
+            blamed = "its connection to rank 1 closed" in first
+            named += blamed and "rank 1 exited or crashed" in first
+            if any(w in first for w in WRONG):
+                wrong += 1
+                notes.add(first[first.find("closed, ") :][:200])
+            elif not blamed:
+                notes.add(first[first.find("when its") :][:200])
+    if not times:
+        case = f"| {world_size} | {op} | {where} | {size} | {killed}"
+        return f"{case} | 0 | | | | | {'; '.join(sorted(notes))} |"
+    ms = sorted(t * 1000 for t in times)
+    return (
+        f"| {world_size} | {op} | {where} | {size} | {killed} | {len(ms)} "
+        f"| {statistics.median(ms):.0f} | {ms[-1]:.0f} | {wrong} | {named}/{len(ms)} "
+        f"| {'; '.join(sorted(notes))} |"
+    )
+
+
+def _write_kills(rows: list[str], trials: int, seconds: float) -> None:
+    times = [row.split(" | ") for row in rows[2:]]
+    medians = [float(r[6]) for r in times if r[6].strip()]
+    worst = [float(r[7]) for r in times if r[7].strip()]
+    wrong = sum(int(r[8]) for r in times if r[8].strip())
+    survivors = sum(int(r[5]) for r in times)
+    section = [
+        KILLS_BEGIN,
+        "## Kill to error (issue 37)",
+        "",
+        f"Measured {datetime.date.today().isoformat()} on {platform.machine()} with "
+        f"{os.cpu_count()} cores (shared with other test runs: loaded), torch "
+        f"{torch.__version__}, by `python benchmarks/faults.py --kills --trials {trials}` "
+        f"({trials} kills per row, {seconds:.0f} s). Rank 1 is SIGKILLed; every other rank is a "
+        "survivor and counts (a row of 3 ranks has two survivors per kill). 'in the wait': "
+        f"rank 1 sleeps instead of making the call and is killed after its peers have waited "
+        f"{IN_WAIT_S * 1000:.0f} ms; 'mid-transfer': killed 0-30 ms into a busy loop of "
+        "exchanges (inside a 32 MB transfer, or whichever 128 KB call runs then). Times are "
+        "from the kill to the survivor's error. 'wrong verdicts': a first line calling rank 1 "
+        "still running or saying distgrad cannot tell; 'named': first lines saying 'rank 1 "
+        "exited or crashed'.",
+        "",
+        f"Over all rows: {survivors} survivors' errors, worst median {max(medians):.0f} ms, "
+        f"worst single {max(worst):.0f} ms, {wrong} wrong verdicts "
+        "(targets: median <= 50 ms, worst <= 200 ms, 0 wrong).",
+        "",
+        *rows,
+        KILLS_END,
+    ]
+    _replace_section(KILLS_BEGIN, KILLS_END, section)
+
+
+def _replace_section(begin: str, end: str, section: list[str]) -> None:
+    text = RESULTS.read_text() if RESULTS.exists() else "# Fault detection times\n"
+    if begin in text:
+        head, rest = text.split(begin, 1)
+        tail = rest.split(end, 1)[1]
+    else:
+        head, tail = text.rstrip("\n") + "\n\n", "\n"
+    RESULTS.write_text(head + "\n".join(section) + tail)
 
 
 def trial(fault: Fault) -> tuple[float | None, str]:
@@ -61,6 +196,8 @@ def cases(quick: bool) -> list[tuple[str, Fault]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--kills", action="store_true", help="issue 37's kill-to-error table")
+    parser.add_argument("--per-op", action="store_true", help="issue 12's per-op table")
     parser.add_argument("--trials", type=int, default=5, help="trials per case")
     parser.add_argument("--mid-transfer-trials", type=int, default=20)
     parser.add_argument("--quick", action="store_true", help="a few cases, 1 trial: a smoke test")
@@ -70,6 +207,9 @@ def main() -> None:
     rng = random.Random(0)
     rows: list[str] = []
     start = time.monotonic()
+    if args.kills or not args.per_op:
+        _write_kills(kills(trials, rng), trials, time.monotonic() - start)
+        return
     plan = [(name, fault, trials) for name, fault in cases(args.quick)]
     if not args.quick:  # the case the issue measured: a kill during 32 MB exchanges
         for name in ("all_gather", "all_to_all", "torch all_gather"):
@@ -108,7 +248,8 @@ def _row(name: str, times: list[float], n: int, notes: set[str]) -> str:
 def _write(rows: list[str], trials: int, seconds: float, quick: bool) -> None:
     today = datetime.date.today().isoformat()
     head = [
-        "# Fault detection times",
+        PER_OP_BEGIN,
+        "## Per op, 2 ranks (issue 12)",
         "",
         f"Measured {today} on {platform.machine()} with {os.cpu_count()} cores, torch "
         f"{torch.__version__}, by `python benchmarks/faults.py{' --quick' if quick else ''}` "
@@ -120,7 +261,7 @@ def _write(rows: list[str], trials: int, seconds: float, quick: bool) -> None:
         "|---|---|---|---|---|---|",
     ]
     RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text("\n".join([*head, *rows, ""]))
+    _replace_section(PER_OP_BEGIN, PER_OP_END, [*head, *rows, PER_OP_END])
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ Two ranks run the same training-like loop of one op, forward and backward, with 
 victim, injects a fault at step ``_FAULT_STEP``:
 
 * ``sigkill``: a thread sends the process SIGKILL ``delay`` seconds after the victim enters the
-  faulty pass (``delay`` > 0 lands the kill in the middle of a large transfer; with
+  faulty pass (``delay`` > 0 lands the kill in the middle of a large transfer, or with a large
+  ``run_on`` somewhere in a busy loop of small ones; with
   ``in_wait`` the victim sleeps instead of making the call, so the kill lands while its peers
   have waited ``delay`` seconds for it);
 * ``exit``: the same thread calls ``os._exit(3)`` instead;
@@ -104,6 +105,10 @@ class Fault:
     delay: float = 0.0
     fault_file: str = ""
     in_wait: bool = False
+    # Steps run after the fault's: a few (the fault ends the loop at its step), or many for a
+    # kill ``delay`` seconds into a busy loop of small exchanges (it lands in whichever call
+    # is running then).
+    run_on: int = 5
 
 
 @dataclass(frozen=True)
@@ -125,7 +130,7 @@ def run_fault(rank: int, world_size: int, fault: Fault) -> Seen:
     differentiable = fault.op != "torch all_gather"
     where = "forward"
     try:
-        for step in range(_FAULT_STEP + 5):
+        for step in range(_FAULT_STEP + fault.run_on):
             inject = rank == 1 and step == _FAULT_STEP
             where = "forward"
             if inject and fault.where == "forward":
