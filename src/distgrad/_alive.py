@@ -27,9 +27,11 @@ A peer on this machine, in this process's pid namespace, is also looked at direc
 and start time are published beside the address, and ``/proc/<pid>/stat`` says at once whether
 that process is running, exiting (the kernel has begun to tear it down: its sockets may not be
 closed yet) or a zombie (killed or exited, not yet reaped by its parent: its exit status and
-signal are there), with no wait. :func:`verdict` is the question an error asks: gone (and how),
-running, or not known (no address yet, another machine whose connection has not closed), so
-that a message never calls a peer's process running on a guess.
+signal are there), with no wait. Every tick of a wait looks there too (:func:`dead`): a killed
+process's sockets reset only once its memory is freed, tens to hundreds of milliseconds later.
+:func:`verdict` is the question an error asks: gone (and how), running, or not known (no
+address yet, another machine whose connection has not closed), so that a message never calls
+a peer's process running on a guess.
 
 The sockets are closed in a child made by ``fork`` (a data loader's worker, say), so a dead
 rank's children do not keep its listener open, and when the default process group is
@@ -221,6 +223,15 @@ def dead(global_ranks: Sequence[int], settle_s: float = 0.0) -> tuple[int, str] 
         conn = _peers[rank] if rank in _peers else _connect(rank)
         if rank in _gone:
             return rank, _gone[rank]
+        # Issue 37: a killed process is "exiting" in /proc at once, but its sockets reset only
+        # once the kernel has freed its memory: measured on a loaded 2-core machine, 25-550 ms
+        # after the kill for 0-1,000 MB (benchmarks/results/faults.md). A peer on this machine
+        # is looked at in /proc too (one small read per tick).
+        if rank in _procs:
+            seen = _process_state(rank)
+            if seen.state == "gone":
+                _gone[rank] = seen.why
+                return rank, seen.why
         if conn is not None:
             conns.append((rank, conn))
     if not conns:
