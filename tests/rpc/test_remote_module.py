@@ -2,7 +2,8 @@
 wire): passed to another worker by rpc_sync, rpc_async and remote, or returned from one, it
 arrives as a RemoteModule of the same module, whose forward runs on the module's worker; inside
 a context, a forward made on the receiver is recorded, and the gradients equal local
-autograd's (both modes). Plain pickle and torch.save refuse it with torch's message, and an
+autograd's (both modes). nn.Module's methods that would act on the local shell are refused
+in torch's words. Plain pickle and torch.save refuse it with torch's message, and an
 attribute added after construction stays behind (torch's test_send_remote_module_with_a_new_
 attribute_not_pickled_over_the_wire)."""
 
@@ -39,8 +40,31 @@ def _attributes(module: dgrpc.RemoteModule) -> dict[str, Any]:
     return {k: v for k, v in vars(module).items() if not k.startswith("_")}
 
 
+def _made_there(module_rref: dgrpc.RRef[torch.nn.Module], x: Tensor) -> Tensor:
+    """[torch's test_create_remote_module_from_module_rref] On worker2, a RemoteModule from
+    worker1's module RRef, given worker2's name as torch's test does: it runs on the owner."""
+    out: Tensor = dgrpc.RemoteModule.init_from_module_rref("worker2", module_rref)(x)
+    return out
+
+
 def _send_back(module: dgrpc.RemoteModule) -> dgrpc.RemoteModule:
     return module
+
+
+def _refused_methods(layer: dgrpc.RemoteModule) -> None:
+    """[torch's test_unsupported_methods] nn.Module's methods that would act on the local
+    shell are refused in torch's words (parameters() would be empty: an optimizer over it
+    would step nothing); its repr still works."""
+    with pytest.raises(
+        ValueError,
+        match=r"^Method ``parameters`` not supported for "
+        r"RemoteModule\. Please use ``remote_parameters`` instead\. \(distgrad: .* worker1",
+    ):
+        layer.parameters()
+    for name, args in (("to", ("cpu",)), ("state_dict", ()), ("zero_grad", ()), ("apply", (id,))):
+        with pytest.raises(ValueError, match=rf"^Method ``{name}`` not supported for RemoteModule"):
+            getattr(layer, name)(*args)
+    assert repr(layer) == "RemoteModule(on='worker1')"
 
 
 def _over_the_wire(rank: int, world_size: int) -> None:
@@ -56,6 +80,7 @@ def _over_the_wire(rank: int, world_size: int) -> None:
         dgrpc.rpc_async("worker2", _forward_async_there, args=(layer, x)).wait(),
         dgrpc.remote("worker2", _forward_there, args=(layer, x)).to_here(),
         dgrpc.rpc_sync("worker2", _send_back, args=(layer,))(x),
+        dgrpc.rpc_sync("worker2", _made_there, args=(layer.get_module_rref(), x)),
     ]
     for i, g in enumerate(got):
         H.assert_close(g, want, f"forward on the receiver, path {i}")
@@ -68,6 +93,7 @@ def _over_the_wire(rank: int, world_size: int) -> None:
         "is_scriptable": False,
         "module_rref": attrs["module_rref"],
     }, attrs
+    _refused_methods(layer)
     layer.new_attr = 1
     assert "new_attr" not in dgrpc.rpc_sync("worker2", _attributes, args=(layer,))
     layer.eval()

@@ -86,7 +86,7 @@ class RemoteModule(nn.Module):
 
     def train(self, mode: bool = True) -> RemoteModule:
         """Set the remote module's training mode (one RPC), as torch's RemoteModule does."""
-        rpc_sync(self.on, _set_training, (self.module_rref.torch_rref, mode))
+        rpc_sync(self._owner(), _set_training, (self.module_rref.torch_rref, mode))
         self.training = mode
         return self
 
@@ -107,22 +107,86 @@ class RemoteModule(nn.Module):
             "when using RPC"
         )
 
+    def _owner(self) -> str:
+        # Where the module is: its RRef's owner, as torch's calls go (``on`` is what was passed,
+        # which init_from_module_rref does not check against the owner, as torch's does not).
+        return self.module_rref.owner_name()
+
+    def __repr__(self) -> str:
+        # nn.Module's repr would call extra_repr, which is refused below.
+        return f"RemoteModule(on={self.on!r})"
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The module's forward on its worker (one RPC; recorded inside a context)."""
-        return rpc_sync(self.on, _forward, (self.module_rref.torch_rref, args, kwargs))
+        return rpc_sync(self._owner(), _forward, (self.module_rref.torch_rref, args, kwargs))
 
     def forward_async(self, *args: Any, **kwargs: Any) -> Future[Any]:
         """A future of the module's forward on its worker."""
-        return rpc_async(self.on, _forward, (self.module_rref.torch_rref, args, kwargs))
+        return rpc_async(self._owner(), _forward, (self.module_rref.torch_rref, args, kwargs))
 
     def remote_parameters(self, recurse: bool = True) -> list[RRef[torch.Tensor]]:
         """RRefs of the module's parameters (owned by its worker), for DistributedOptimizer."""
-        found = rpc_sync(self.on, _parameter_rrefs, (self.module_rref.torch_rref, recurse))
+        found = rpc_sync(self._owner(), _parameter_rrefs, (self.module_rref.torch_rref, recurse))
         return [RRef._wrap(r) for r in found]
 
     def get_module_rref(self) -> RRef[nn.Module]:
         """The RRef of the module on its worker."""
         return self.module_rref
+
+
+# nn.Module's methods that would act on the local shell, not on the module (parameters() would
+# be empty, so an optimizer over it would silently step nothing): refused, in torch's words
+# (torch's RemoteModule refuses the same ones), then where the module is.
+_REFUSED = [
+    "register_buffer",
+    "register_parameter",
+    "add_module",
+    "apply",
+    "cuda",
+    "ipu",
+    "xpu",
+    "cpu",
+    "type",
+    "float",
+    "double",
+    "half",
+    "bfloat16",
+    "to",
+    "register_backward_hook",
+    "register_forward_pre_hook",
+    "register_forward_hook",
+    "state_dict",
+    "load_state_dict",
+    "parameters",
+    "named_parameters",
+    "buffers",
+    "named_buffers",
+    "children",
+    "named_children",
+    "modules",
+    "named_modules",
+    "requires_grad_",
+    "zero_grad",
+    "share_memory",
+    "extra_repr",
+]
+
+
+def _refuse(name: str) -> Any:
+    def refused(self: RemoteModule, *args: Any, **kwargs: Any) -> Any:
+        instead = " Please use ``remote_parameters`` instead." if name == "parameters" else ""
+        raise ValueError(
+            f"Method ``{name}`` not supported for RemoteModule.{instead} (distgrad: the module "
+            f"lives on {self._owner()}; call its methods there through get_module_rref())"
+        )
+
+    refused.__name__ = name
+    refused.__doc__ = f"Refused, as torch's RemoteModule refuses ``{name}``."
+    return refused
+
+
+for _name in _REFUSED:
+    setattr(RemoteModule, _name, _refuse(_name))
 
 
 def _reduce(module: RemoteModule) -> tuple[Any, tuple[Any, ...]]:
