@@ -46,6 +46,19 @@ def distgrad_many(commands: list[list[str]]) -> list[subprocess.CompletedProcess
 CONSOLE_SCRIPT = Path(sys.executable).parent / "distgrad"
 
 
+def in_process(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    """The command's own entry point in this process: (exit code, stdout, stderr). Its ranks
+    start from this process's forkserver, which has torch loaded already, where a new process
+    per case spends seconds importing it; the subprocess cases above and below keep the
+    command's real process covered."""
+    try:
+        code = main(list(args))
+    except SystemExit as exited:
+        code = exited.code if isinstance(exited.code, int) else 1
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
 def test_help_is_there_for_every_command_and_the_console_script() -> None:
     module = [sys.executable, "-m", "distgrad"]
     commands = [[*module, "--help"], [*module, "demo", "--help"], [*module, "check", "--help"]]
@@ -86,40 +99,44 @@ def test_check_exits_0_when_the_gradients_agree() -> None:
     assert "AGREE" in result.stdout
 
 
-def test_check_exits_1_with_a_diagnosis_on_a_mismatch() -> None:
-    result = distgrad("check", f"{EXAMPLE}:info_nce_naive", "--world-size", "2")
-    assert result.returncode == 1
-    assert "MISMATCH" in result.stdout and "Diagnosis:" in result.stdout
+def test_check_exits_1_with_a_diagnosis_on_a_mismatch(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = in_process(capsys, "check", f"{EXAMPLE}:info_nce_naive", "--world-size", "2")
+    assert code == 1
+    assert "MISMATCH" in out and "Diagnosis:" in out
 
 
-def test_check_takes_uneven_shard_sizes_and_tolerances() -> None:
+def test_check_takes_uneven_shard_sizes_and_tolerances(capsys: pytest.CaptureFixture[str]) -> None:
     """A global loss is right on any shards; the example's even-shard offsets are not."""
-    result = distgrad(
-        "check", f"{TARGETS}:global_loss", "--world-size", "2", "--shard-sizes", "5,1",
+    code, out, err = in_process(
+        capsys, "check", f"{TARGETS}:global_loss", "--world-size", "2", "--shard-sizes", "5,1",
         "--rtol", "1e-9", "--atol", "1e-12",
     )  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
-    result = distgrad("check", f"{EXAMPLE}:info_nce", "--shard-sizes", "5,3")
-    assert result.returncode == 1
-    assert "the forward pass already differs" in result.stdout
+    assert code == 0, out + err
+    code, out, _ = in_process(capsys, "check", f"{EXAMPLE}:info_nce", "--shard-sizes", "5,3")
+    assert code == 1
+    assert "the forward pass already differs" in out
 
 
-def test_check_exits_1_with_the_traceback_when_the_function_raises() -> None:
-    result = distgrad("check", f"{TARGETS}:raises")
-    assert result.returncode == 1
-    assert result.stderr.startswith("distgrad: error: raises failed in the single-process run")
-    assert "a bug in the user's loss" in result.stderr
-    result = distgrad("check", f"{TARGETS}:raises_on_rank_1")
-    assert result.returncode == 1
-    assert result.stderr.startswith("distgrad: error: raises_on_rank_1 failed on the ranks")
-    assert "rank 1: RuntimeError: a bug on rank 1" in result.stderr
+def test_check_exits_1_with_the_traceback_when_the_function_raises(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, _, err = in_process(capsys, "check", f"{TARGETS}:raises")
+    assert code == 1
+    assert err.startswith("distgrad: error: raises failed in the single-process run")
+    assert "a bug in the user's loss" in err
+    code, _, err = in_process(capsys, "check", f"{TARGETS}:raises_on_rank_1")
+    assert code == 1
+    assert err.startswith("distgrad: error: raises_on_rank_1 failed on the ranks")
+    assert "rank 1: RuntimeError: a bug on rank 1" in err
 
 
-def test_check_hints_that_the_reference_runs_without_a_process_group() -> None:
-    result = distgrad("check", f"{TARGETS}:unguarded_world_size")
-    assert result.returncode == 1
-    assert result.stderr.startswith("distgrad: error: unguarded_world_size failed in the single")
-    assert "reference runs the function in this process, without a process group" in result.stderr
+def test_check_hints_that_the_reference_runs_without_a_process_group(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, _, err = in_process(capsys, "check", f"{TARGETS}:unguarded_world_size")
+    assert code == 1
+    assert err.startswith("distgrad: error: unguarded_world_size failed in the single")
+    assert "reference runs the function in this process, without a process group" in err
 
 
 def test_check_accepts_a_module_name(tmp_path: Path) -> None:
