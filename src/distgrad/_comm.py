@@ -27,7 +27,7 @@ Backend gaps handled here, once:
 * gloo moves CUDA tensors through host memory for some collectives and not at all for others
   (point-to-point sends abort the process, some reduce ops are refused), so on gloo every
   exchange of a CUDA tensor is staged here: copied to the host, exchanged there, copied back
-  (:func:`_staged_on_gloo`). gloo's own CUDA paths make the same copies.
+  (``ExchangeOp(..., staged=True)``). gloo's own CUDA paths make the same copies.
 * gloo does not fail an operation already moving bytes when its peer's connection closes, so a
   plain wait could last the whole timeout after a peer died: every wait on gloo goes through
   ``distgrad._wait``, which names the dead peer within tens of milliseconds, and every failed
@@ -41,7 +41,7 @@ import functools
 import math
 import time
 from collections.abc import Callable, Generator, Sequence
-from typing import Any, Generic, ParamSpec, Protocol, TypeVar, cast
+from typing import Any, Generic, ParamSpec, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -271,23 +271,12 @@ def _on_host(group: Group, device: torch.device) -> bool:
     return group.pg is not None and not group.is_nccl and device.type != "cpu"
 
 
-def _staged_on_gloo(exchange: _StepsOf) -> _StepsOf:
-    """``exchange(x, ..., group)``, with a CUDA ``x`` on gloo copied to the host and the
-    result copied back to ``x``'s device.
-
-    Why: gloo takes CUDA tensors only in some collectives, by copying them to the host itself,
-    and its point-to-point sends hand the device pointer to the socket (the process aborts with
-    "writev: Bad address"). Staging every exchange here makes every op work, at the cost of
-    those same copies, and a host synchronisation (gloo's CUDA paths synchronise too).
-    """
-
-    @functools.wraps(exchange)
-    def staged(x: Tensor, *args: Any) -> Steps[Any]:
-        if x.is_cpu or not _on_host(args[-1], x.device):
-            return exchange(x, *args)  # the op's own steps: no generator around them
-        return _through_host(exchange(x.cpu(), *args), x.device)
-
-    return cast(_StepsOf, staged)
+# Staging on gloo (``ExchangeOp(..., staged=True)``): a CUDA ``x`` is copied to the host, the
+# exchange runs there, and the result is copied back to ``x``'s device. Why: gloo takes CUDA
+# tensors only in some collectives, by copying them to the host itself, and its point-to-point
+# sends hand the device pointer to the socket (the process aborts with "writev: Bad address").
+# Staging every exchange makes every op work, at the cost of those same copies, and a host
+# synchronisation (gloo's CUDA paths synchronise too).
 
 
 def _through_host(steps: Steps[Tensor | None], device: torch.device) -> Steps[Tensor | None]:
@@ -311,7 +300,6 @@ class _Waitable(Protocol):
 
 
 Steps = Generator[_Waitable, None, _T]
-_StepsOf = TypeVar("_StepsOf", bound=Callable[..., Steps[Any]])
 
 
 class Pending(Generic[_T]):
@@ -351,14 +339,24 @@ class Pending(Generic[_T]):
 
 
 class ExchangeOp(Generic[_P, _T]):
-    """An op written as steps: call it to run it through, or ``start`` it (see above)."""
+    """An op written as steps: call it to run it through, or ``start`` it (see above).
 
-    def __init__(self, steps: Callable[_P, Steps[_T]]) -> None:
+    ``staged``: the op is ``op(x, ..., group)``, and a CUDA ``x`` on gloo goes through host
+    memory (see "Staging on gloo" above); the check is made here, inline, as the hot path's
+    one test of ``x.is_cpu``.
+    """
+
+    def __init__(self, steps: Callable[_P, Steps[_T]], staged: bool = False) -> None:
         self.steps = steps
+        self.staged = staged
         functools.update_wrapper(self, steps)
 
     def __call__(self, *args: _P.args, **kwargs: _P.kwargs) -> _T:
-        steps = self.steps(*args, **kwargs)
+        a: tuple[Any, ...] = args
+        if self.staged and not a[0].is_cpu and _on_host(a[-1], a[0].device):
+            steps = self._through_host(*a)
+        else:
+            steps = self.steps(*args, **kwargs)
         try:
             waiting = next(steps)
             while True:
@@ -369,7 +367,19 @@ class ExchangeOp(Generic[_P, _T]):
             return value
 
     def start(self, *args: _P.args, **kwargs: _P.kwargs) -> Pending[_T]:
+        a: tuple[Any, ...] = args
+        if self.staged and not a[0].is_cpu and _on_host(a[-1], a[0].device):
+            return Pending(self._through_host(*a))
         return Pending(self.steps(*args, **kwargs))
+
+    def _through_host(self, x: Tensor, *args: Any) -> Steps[_T]:
+        steps: Callable[..., Steps[Any]] = self.steps
+        return _through_host(steps(x.cpu(), *args), x.device)  # type: ignore[return-value]
+
+
+def _staged(steps: Callable[_P, Steps[_T]]) -> ExchangeOp[_P, _T]:
+    """``ExchangeOp(steps, staged=True)``, as a decorator."""
+    return ExchangeOp(steps, staged=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -419,7 +429,7 @@ def start_exchange(
     Sends are started first, in order, then receives."""
     pg = group.pg
     assert pg is not None
-    if any(_on_host(group, t.device) for t, _ in (*sends, *recvs)):  # see _staged_on_gloo
+    if any(_on_host(group, t.device) for t, _ in (*sends, *recvs)):  # see "Staging on gloo"
         landings = [(torch.empty_like(t, device="cpu"), t) for t, _ in recvs]
         host_sends = [(t.cpu(), peer) for t, peer in sends]
         host_recvs = [(host, peer) for (host, _), (_, peer) in zip(landings, recvs, strict=True)]
@@ -502,8 +512,7 @@ def _exchange_by_pairs(
     yield exchange
 
 
-@ExchangeOp
-@_staged_on_gloo
+@_staged
 def all_gather(x: Tensor, sizes: Sequence[int], group: Group) -> Steps[Tensor]:
     """Concatenate every rank's ``x`` along dim 0; ``sizes[i]`` is rank i's row count."""
     if group.pg is None:
@@ -565,8 +574,7 @@ def _all_gather(x: Tensor, sizes: Sequence[int], group: Group) -> Steps[Tensor]:
     return _trim_cat(out, sizes)
 
 
-@ExchangeOp
-@_staged_on_gloo
+@_staged
 def reduce_scatter(x: Tensor, sizes: Sequence[int], group: Group) -> Steps[Tensor]:
     """Sum ``x`` over ranks and return this rank's slice (``sizes[rank]`` rows) of the sum."""
     if group.pg is None:
@@ -590,8 +598,7 @@ def reduce_scatter(x: Tensor, sizes: Sequence[int], group: Group) -> Steps[Tenso
     return slices.view(group.size, mine, *x.shape[1:]).sum(0)
 
 
-@ExchangeOp
-@_staged_on_gloo
+@_staged
 def all_to_all(
     x: Tensor, input_sizes: Sequence[int], output_sizes: Sequence[int], group: Group
 ) -> Steps[Tensor]:
@@ -652,8 +659,7 @@ GLOO_ALL_TO_ALL_BELOW_BYTES = 32 * 1024 * 1024
 _ALL_TO_ALL_OPTIONS = AllToAllOptions()
 
 
-@ExchangeOp
-@_staged_on_gloo
+@_staged
 def permute(
     x: Tensor, perm: Sequence[int], recv_shape: Sequence[int], group: Group
 ) -> Steps[Tensor]:
@@ -682,8 +688,7 @@ def permute(
 # Collectives
 
 
-@ExchangeOp
-@_staged_on_gloo
+@_staged
 def all_reduce(x: Tensor, op: str, group: Group) -> Steps[Tensor]:
     """Reduce ``x`` over ranks with ``op`` in sum, prod, max, min; every rank gets the result."""
     if group.pg is None:
@@ -719,8 +724,7 @@ def _with_tail(x: Tensor, tag: _guard.Tag | None) -> tuple[Tensor, int]:
     return torch.cat([x.reshape(-1), _guard.tag_tensor(tag, x.dtype, x.device)]), x.numel()
 
 
-@ExchangeOp
-@_staged_on_gloo
+@_staged
 def broadcast(x: Tensor, src: int, group: Group) -> Steps[Tensor]:
     """Every rank gets group rank ``src``'s ``x`` (other ranks' values are not read)."""
     if group.pg is None:
@@ -766,8 +770,7 @@ def _broadcast(out: Tensor, src: int, group: Group) -> Steps[None]:
         yield _begin(group, group.pg.broadcast, [moved], opts)
 
 
-@ExchangeOp
-@_staged_on_gloo
+@_staged
 def reduce(x: Tensor, dst: int, group: Group) -> Steps[Tensor | None]:
     """The sum of ``x`` over ranks on group rank ``dst``; None on the other ranks."""
     if group.pg is None:
@@ -796,8 +799,7 @@ def reduce(x: Tensor, dst: int, group: Group) -> Steps[Tensor | None]:
     return _leading(out, x.shape)
 
 
-@ExchangeOp
-@_staged_on_gloo
+@_staged
 def gather(x: Tensor, sizes: Sequence[int], dst: int, group: Group) -> Steps[Tensor | None]:
     """Rank ``dst`` gets every rank's ``x`` concatenated along dim 0; None elsewhere."""
     if group.pg is None:
@@ -851,7 +853,7 @@ def scatter(
     if group.pg is None:
         assert x is not None
         return x.clone()
-    if _on_host(group, device):  # see _staged_on_gloo
+    if _on_host(group, device):  # see "Staging on gloo"
         host = None if x is None else x.cpu()
         cpu = torch.device("cpu")
         out = yield from scatter.steps(host, sizes, src, trailing, dtype, cpu, group)

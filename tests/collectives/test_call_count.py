@@ -29,8 +29,8 @@ PACKAGE = os.path.dirname(dg.__file__)
 
 # distgrad's own Python calls per forward+backward on 2 gloo ranks, 32 KB float32, sizes given,
 # as measured 2026-11-27 once the eager path called torch's C apply (Function.apply's Python
-# wrapper, about 15 us a call, is gone from it).
-BUDGET = {"all_gather": 100, "reduce_scatter": 102, "all_reduce": 76}
+# wrapper, about 15 us a call, is gone from it) and staging on gloo is a test inside ExchangeOp.
+BUDGET = {"all_gather": 97, "reduce_scatter": 99, "all_reduce": 74}
 
 
 def _ops(n: int, x: torch.Tensor) -> dict[str, tuple[Callable[[], torch.Tensor], tuple[int, ...]]]:
