@@ -55,8 +55,9 @@ CASES: dict[str, Callable[[int], torch.Tensor | None]] = {
     ),
     "a different src": lambda r: dg.broadcast(torch.full((3,), float(r)), r),
     # reduce_scatter, all_to_all and broadcast, every mistake (issue 37, item 5)
+    # rank 1 sends rank 0 three rows where it expects two, and gets the two it expects
     "reduce_scatter sizes, more for rank 0": lambda r: dg.reduce_scatter(
-        torch.ones(4, 3), sizes=[2, 2] if r == 0 else [3, 1]
+        torch.ones(4 if r == 0 else 5, 3), sizes=[2, 2] if r == 0 else [3, 2]
     ),
     "reduce_scatter sizes, fewer for rank 0": lambda r: dg.reduce_scatter(
         torch.full((4, 3), 1.0), sizes=[2, 2] if r == 0 else [1, 3]
