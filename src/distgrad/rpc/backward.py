@@ -16,6 +16,10 @@ from distgrad.rpc._storage import memory_of
 
 __all__ = ["backward"]
 
+# torch's TypeError for a call of its C++ backward with arguments of the wrong types: programs
+# and torch's own tests match these words, so they come first.
+_TORCH_WORDS = "incompatible function arguments"
+
 
 def backward(
     context_id: int,
@@ -50,7 +54,9 @@ def backward(
     shape. A refused call changes nothing in the context.
     """
     if isinstance(context_id, bool) or not isinstance(context_id, int):
-        raise TypeError(f"backward: context_id must be an int, got {type(context_id).__name__}")
+        raise TypeError(
+            f"{_TORCH_WORDS}: backward: context_id must be an int, got {type(context_id).__name__}"
+        )
     if not isinstance(retain_graph, bool):
         raise TypeError(
             f"backward: retain_graph must be a bool, got {type(retain_graph).__name__}; the "
@@ -89,7 +95,9 @@ def _check_roots(
     if isinstance(roots, Tensor):
         roots = [roots]
     if not isinstance(roots, (list, tuple)):
-        raise TypeError(f"backward: roots must be a list of tensors, got {type(roots).__name__}")
+        raise TypeError(
+            f"{_TORCH_WORDS}: backward: roots must be a list of tensors, got {type(roots).__name__}"
+        )
     if not roots:
         raise RpcAutogradError(
             "backward: no tensors provided for gradient computation (roots is empty)"

@@ -44,9 +44,10 @@ def context(*, wait_for_release: bool = False) -> Iterator[int]:
     releases that find no call within 5 ms go out as one message per worker.
     """
     if current_context_id() is not None:
-        raise RpcAutogradError(
-            f"this thread is already in autograd context {current_context_id()}; "
-            "a thread can be in only one context at a time"
+        raise RpcAutogradError(  # torch's words first: programs and torch's tests match them
+            "Already have an autograd context id for this thread: this thread is already in "
+            f"autograd context {current_context_id()}, and a thread can be in only one "
+            "context at a time"
         )
     _transport.install_guard()
     _ddp.install()
