@@ -266,11 +266,13 @@ def _refused_arguments_leave_the_context_usable(mode: str) -> None:  # [..._inva
     with dgrpc.context() as cid:
         out = dgrpc.rpc_sync("worker1", torch.add, args=(t1, t2)).sum()
         with pytest.raises(
-            TypeError, match="^incompatible function arguments: backward: roots must be a list"
+            TypeError, match=r"^incompatible function arguments: backward: roots must be a list"
         ):
             dgrpc.backward(cid, None, mode=mode)  # type: ignore[arg-type]
         with pytest.raises(
-            TypeError, match="^incompatible function arguments: backward: context_id must be an int"
+            TypeError,
+            match=r"^incompatible function arguments: "
+            r"backward: context_id must be an int",
         ):
             dgrpc.backward(None, None, mode=mode)  # type: ignore[arg-type]
         with pytest.raises(TypeError, match="retain_graph must be a bool"):
@@ -405,7 +407,11 @@ def _error_deep_in_the_chain(mode: str) -> None:  # [test_backward_autograd_engi
         val = dgrpc.rpc_sync("worker2", torch.mul, args=(val, t2))
         val = dgrpc.rpc_sync("worker3", torch.matmul, args=(val, t2))
         val = dgrpc.rpc_sync("worker1", torch.div, args=(val, t2))
-        with pytest.raises(RuntimeError, match="failed on worker0: RuntimeError: simulated"):
+        with pytest.raises(
+            RuntimeError,
+            match=r"^Error on Node 0: RuntimeError: simulated"
+            r".*\(distributed backward failed on worker0\)",
+        ):
             dgrpc.backward(cid, [val.sum()], mode=mode)
 
 
@@ -416,7 +422,11 @@ def _error_in_a_nested_udf_then_recovery(mode: str) -> None:  # [..._python_udf_
             "worker1", F.nested_udf_with_backward_error, args=(t1, t2, "worker2")
         ).sum()
         for _ in range(3):
-            with pytest.raises(RpcAutogradError, match="failed on worker2: RuntimeError: sim"):
+            with pytest.raises(
+                RpcAutogradError,
+                match=r"^Error on Node 2: RuntimeError: sim"
+                r".*\(distributed backward failed on worker2\)",
+            ):
                 dgrpc.backward(cid, [loss], True, mode=mode)
         H.query("worker2", F.set_backward_error, False)
         try:

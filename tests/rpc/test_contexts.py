@@ -38,7 +38,8 @@ def _contexts(rank: int, world_size: int) -> None:
         with (
             pytest.raises(
                 RpcAutogradError,
-                match="^Already have an autograd context id for this thread: this thread is already in autograd context",
+                match=r"^Already have an autograd context id for this thread: "
+                r"this thread is already in autograd context",
             ),
             dgrpc.context(),
         ):

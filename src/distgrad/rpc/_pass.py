@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 
 from torch import Tensor
+from torch.distributed import rpc as torch_rpc
 from torch.futures import Future
 
 from distgrad.errors import RpcAutogradError
@@ -40,6 +41,7 @@ __all__ = [
 ]
 
 _MARKER = "distributed backward failed on "
+_TORCH_PREFIX = "Error on Node "  # torch's distributed engine's words for the same
 HOP_MARGIN_S = 0.5  # each hop gives its callee this much less time, so the deepest error wins
 
 
@@ -184,18 +186,31 @@ class phase:  # lower case: a context manager used as a function
 
 
 def as_backward_error(exc: BaseException, worker: str, *, delivering: bool = False) -> Exception:
-    """An :class:`RpcAutogradError` naming the worker where the failure started."""
+    """An :class:`RpcAutogradError` naming the worker where the failure started, in torch's
+    words first (``Error on Node 1: <the error>``, which programs and torch's tests match),
+    then distgrad's (``(distributed backward failed on worker1)``) on the same line."""
     text = str(exc)
-    at = text.find(_MARKER)
-    if at >= 0:  # already wrapped further down the chain: keep the innermost message
-        # Remote errors arrive as their repr: drop the closing quotes and parentheses.
-        line = re.sub(r"""(\\?['"]\)?)+$""", "", text[at:].splitlines()[0])
-        return RpcAutogradError(line)
+    for line in text.splitlines():
+        at = line.find(_TORCH_PREFIX)
+        if at >= 0 and _MARKER in line:  # already wrapped further down: keep the innermost
+            # Remote errors arrive as their repr: drop the closing quotes and parentheses.
+            return RpcAutogradError(re.sub(r"""(\\?['"]\)?)+$""", "", line[at:]))
     if delivering:
         why = f"could not deliver gradients to it ({_transport.describe_error(exc)})"
     else:
         why = _transport.describe_error(exc)
-    return RpcAutogradError(f"{_MARKER}{worker}: {why}")
+    first, newline, rest = why.partition("\n")
+    return RpcAutogradError(
+        f"{_TORCH_PREFIX}{_node(worker)}: {first} ({_MARKER}{worker}){newline}{rest}"
+    )
+
+
+def _node(worker: str) -> str:
+    """The worker's id, as torch's engine names a node in its errors (its name if unknown)."""
+    try:
+        return str(torch_rpc.get_worker_info(worker).id)
+    except Exception:  # RPC already down: the name still says where
+        return worker
 
 
 def deadline_after(budget: float) -> float:
