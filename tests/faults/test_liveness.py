@@ -9,9 +9,14 @@ not a death); a peer whose listener is open is alive until its process closes it
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 
 import pytest
@@ -82,20 +87,7 @@ def test_a_killed_process_not_yet_reaped_is_gone_with_its_signal(store: object) 
     """Issue 37: a SIGKILLed peer that its parent has not reaped (a zombie) is gone, with how it
     ended, even while a socket at its published address still accepts (here the test's own
     listener stands in for one whose reset has not arrived)."""
-    import signal
-    import subprocess
-    import sys
-
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(1)
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    try:
-        stat = _alive._stat(child.pid)
-        assert stat is not None
-        me = f"{child.pid} {_alive._pid_namespace()} {stat[1]}"
-        address = f"{_alive._machine()} 127.0.0.1:{listener.getsockname()[1]} {me}"
-        store.set("distgrad/alive/6", address)  # type: ignore[attr-defined]
+    with _published_child(store, 6) as child:
         assert _alive.verdict(6).state == "running"
         os.kill(child.pid, signal.SIGKILL)
         # Wait for the zombie: asked while the kernel still tears the process down (PF_EXITING:
@@ -110,10 +102,6 @@ def test_a_killed_process_not_yet_reaped_is_gone_with_its_signal(store: object) 
         assert seen.state == "gone", seen
         assert "killed by SIGKILL" in seen.why, seen
         assert _alive.dead([6]) == (6, seen.why)  # and it stays gone
-    finally:
-        child.kill()
-        child.wait()
-        listener.close()
 
 
 def test_a_peer_that_published_nothing_is_not_said_to_run(store: object) -> None:
@@ -139,20 +127,7 @@ def test_a_wait_s_tick_sees_a_killed_peer_in_proc_before_its_sockets_reset(store
     (25-550 ms after the kill on a loaded machine, for 0-1,000 MB), but /proc shows it ending at
     once: the ticks' question (:func:`_alive.dead`) looks there too, while the liveness
     connection (here the test's own listener, which never resets) is still open."""
-    import signal
-    import subprocess
-    import sys
-
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(1)
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    try:
-        stat = _alive._stat(child.pid)
-        assert stat is not None
-        me = f"{child.pid} {_alive._pid_namespace()} {stat[1]}"
-        address = f"{_alive._machine()} 127.0.0.1:{listener.getsockname()[1]} {me}"
-        store.set("distgrad/alive/9", address)  # type: ignore[attr-defined]
+    with _published_child(store, 9) as child:
         assert _alive.dead([9]) is None  # running, and connected to
         assert _alive._peers[9] is not None
         os.kill(child.pid, signal.SIGKILL)
@@ -164,6 +139,24 @@ def test_a_wait_s_tick_sees_a_killed_peer_in_proc_before_its_sockets_reset(store
             time.sleep(0.01)
         assert found is not None and found[0] == 9, found
         assert "its process has ended (killed by SIGKILL)" in found[1] or "ending" in found[1]
+
+
+@contextlib.contextmanager
+def _published_child(store: object, rank: int) -> Iterator[subprocess.Popen[bytes]]:
+    """A live child process published as ``rank``'s liveness entry (its pid, namespace and start
+    time), with this test's own listener standing in for its liveness socket (it never resets),
+    killed and reaped at the end."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        stat = _alive._stat(child.pid)
+        assert stat is not None
+        me = f"{child.pid} {_alive._pid_namespace()} {stat[1]}"
+        address = f"{_alive._machine()} 127.0.0.1:{listener.getsockname()[1]} {me}"
+        store.set(f"distgrad/alive/{rank}", address)  # type: ignore[attr-defined]
+        yield child
     finally:
         child.kill()
         child.wait()

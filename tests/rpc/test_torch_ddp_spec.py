@@ -18,7 +18,6 @@ import pytest
 
 pytest.importorskip("expecttest", reason="torch's distributed test internals need expecttest")
 
-from torch.distributed import rpc as torch_rpc
 from torch.testing._internal import dist_utils
 from torch.testing._internal.distributed import ddp_under_dist_autograd_test as spec
 from torch.testing._internal.distributed.rpc.tensorpipe_rpc_agent_test_fixture import (
@@ -27,6 +26,7 @@ from torch.testing._internal.distributed.rpc.tensorpipe_rpc_agent_test_fixture i
 from torch.testing._internal.distributed.rpc_utils import generate_tests
 
 import distgrad.rpc as dgrpc
+from tests.rpc._torch_rpc import DistgradRpc
 
 pytestmark = pytest.mark.slow
 
@@ -44,24 +44,10 @@ class _Autograd:
         dgrpc.backward(context_id, roots, retain_graph, mode=_mode["now"])  # type: ignore[arg-type]
 
 
-class _Rpc:
-    """``torch.distributed.rpc`` with distgrad's calls and lifecycle; the rest is torch's."""
-
-    init_rpc = staticmethod(dgrpc.init_rpc)
-    shutdown = staticmethod(dgrpc.shutdown)
-    rpc_sync = staticmethod(dgrpc.rpc_sync)
-    rpc_async = staticmethod(dgrpc.rpc_async)
-    remote = staticmethod(dgrpc.remote)
-    RRef = dgrpc.RRef
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(torch_rpc, name)
-
-
 spec.dist_autograd = _Autograd  # type: ignore[assignment]
 spec.RemoteModule = dgrpc.RemoteModule  # type: ignore[assignment,misc]
-spec.rpc = _Rpc()  # type: ignore[assignment]
-dist_utils.rpc = _Rpc()  # type: ignore[assignment]
+spec.rpc = DistgradRpc()  # type: ignore[assignment]
+dist_utils.rpc = DistgradRpc()  # type: ignore[assignment]
 
 
 def _in_mode(cls: type, mode: str) -> type:

@@ -24,7 +24,6 @@ import pytest
 pytest.importorskip("expecttest", reason="torch's distributed test internals need expecttest")
 
 from torch.distributed import autograd as torch_autograd
-from torch.distributed import rpc as torch_rpc
 from torch.testing._internal import dist_utils
 from torch.testing._internal.distributed.nn.api import remote_module_test as module_spec
 from torch.testing._internal.distributed.rpc import dist_autograd_test as autograd_spec
@@ -36,6 +35,7 @@ from torch.testing._internal.distributed.rpc.tensorpipe_rpc_agent_test_fixture i
 from torch.testing._internal.distributed.rpc_utils import generate_tests
 
 import distgrad.rpc as dgrpc
+from tests.rpc._torch_rpc import DistgradRpc
 
 pytestmark = pytest.mark.slow
 
@@ -51,27 +51,13 @@ class _Autograd:
         return getattr(torch_autograd, name)
 
 
-class _Rpc:
-    """``torch.distributed.rpc`` with distgrad's calls and lifecycle; the rest is torch's."""
-
-    init_rpc = staticmethod(dgrpc.init_rpc)
-    shutdown = staticmethod(dgrpc.shutdown)
-    rpc_sync = staticmethod(dgrpc.rpc_sync)
-    rpc_async = staticmethod(dgrpc.rpc_async)
-    remote = staticmethod(dgrpc.remote)
-    RRef = dgrpc.RRef
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(torch_rpc, name)
-
-
 for _spec in (module_spec, autograd_spec, optimizer_spec, rpc_spec):
-    _spec.rpc = _Rpc()  # type: ignore[assignment]
+    _spec.rpc = DistgradRpc()  # type: ignore[assignment]
     if hasattr(_spec, "dist_autograd"):
         _spec.dist_autograd = _Autograd()  # type: ignore[assignment]
     if hasattr(_spec, "RRef"):
         _spec.RRef = dgrpc.RRef  # type: ignore[assignment,misc]
-dist_utils.rpc = _Rpc()  # type: ignore[assignment]
+dist_utils.rpc = DistgradRpc()  # type: ignore[assignment]
 module_spec.RemoteModule = dgrpc.RemoteModule  # type: ignore[assignment,misc]
 optimizer_spec.DistributedOptimizer = dgrpc.DistributedOptimizer  # type: ignore[assignment,misc]
 
