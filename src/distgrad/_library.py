@@ -43,13 +43,11 @@ def op(name: str) -> Callable[[Callable[..., Any]], Op]:
     """Define ``distgrad::<name>`` with the decorated function as its kernel; the function's
     ``token`` argument is declared mutated (it never is: see ``distgrad._ops``)."""
 
-    def define(kernel: Callable[..., Any]) -> Op:
-        schema = torch.library.infer_schema(kernel, mutates_args=("token",))
-        _LIBRARY.define(name + schema)  # type: ignore[no-untyped-call]
-        _LIBRARY.impl(name, kernel, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
+    def define_from(kernel: Callable[..., Any]) -> Op:
+        _define(name, torch.library.infer_schema(kernel, mutates_args=("token",)), kernel)
         return Op(name, kernel)
 
-    return define
+    return define_from
 
 
 def define(name: str, schema: str, kernel: Callable[..., Any], fake: Callable[..., Any]) -> None:
@@ -57,6 +55,10 @@ def define(name: str, schema: str, kernel: Callable[..., Any], fake: Callable[..
     mutated, ``Tensor(a!) token``), with ``kernel`` for every backend and ``fake`` for tracing:
     for a kernel that takes its arguments generically (``distgrad._ops.Exchange``), where no
     annotations can give the schema."""
+    _define(name, schema, kernel)
+    torch.library.register_fake(f"distgrad::{name}", fake, lib=_LIBRARY)
+
+
+def _define(name: str, schema: str, kernel: Callable[..., Any]) -> None:
     _LIBRARY.define(name + schema)  # type: ignore[no-untyped-call]
     _LIBRARY.impl(name, kernel, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
-    torch.library.register_fake(f"distgrad::{name}", fake, lib=_LIBRARY)
