@@ -15,11 +15,14 @@ So distgrad never blocks on such an operation without a way out:
 * **Collectives** (all_reduce, broadcast, gather, ... on gloo) run asynchronously and are waited
   for in ticks of :data:`TICK_S`; a wait that expires only returns (gloo's worker thread keeps
   going), so the group is not harmed.
-* **Point-to-point exchanges** whose largest message exceeds :data:`INLINE_BYTES` are waited for
-  by a helper thread while this thread waits, in ticks, for the helper. Smaller messages fit the
-  socket buffers whole (gloo sizes them to the message) and were never seen in flight; they are
+* **Point-to-point exchanges** whose largest message exceeds :data:`INLINE_BYTES`, and every
+  point-to-point exchange on a group of more than 2 ranks, are waited for by a helper thread
+  while this thread waits, in ticks, for the helper. Smaller messages fit the socket buffers
+  whole (gloo sizes them to the message) and were never seen in flight; on 2 ranks they are
   waited for inline, which keeps small exchanges at their old cost (a helper thread costs about
-  0.1 ms, 20% of a 128 KB exchange on 2 busy cores).
+  0.1 ms, 20% of a 128 KB exchange on 2 busy cores). On more ranks a peer can be alive and
+  never come (it stopped at its own error when a third rank died), which only a watched wait
+  sees: its ticks name the dead rank.
 * At each tick, the waiting thread polls distgrad's liveness connections to the peers it waits
   on (``distgrad._alive``): sockets the kernel resets when a peer's process dies, however it
   dies. So a dead peer is named within a tick or two even when the operation in flight would
@@ -220,7 +223,12 @@ def wait_pairs(
     ``largest`` the largest message in bytes; ``what`` names the call in errors (default
     :func:`activity`)."""
     start = time.monotonic()
-    if largest <= INLINE_BYTES or group.is_nccl:
+    # Inline only where no live peer can leave this rank blocked: on 2 ranks the one peer is the
+    # one waited on, and its death fails the pending small messages at once. On more ranks a
+    # peer that is alive but stopped at its own error (another rank died) never comes, and an
+    # inline wait would last until that peer's process exits (measured: 3.1 s under
+    # run_on_ranks, which lets a finished rank linger; forever where the error is caught).
+    if group.is_nccl or (largest <= INLINE_BYTES and group.size == 2):
         for work, peer in zip(works, peers, strict=True):
             try:
                 work.wait()
@@ -232,7 +240,9 @@ def wait_pairs(
     note = _LongWait(group, what, start)
     try:
         while not job.done.wait(TICK_S):
-            dead = _dead_peer(group, sorted(set(peers)))
+            # Every other rank, not only this exchange's peers: a dead rank elsewhere in the
+            # group is why a live peer stopped coming, and the one to name.
+            dead = _dead_peer(group, others(group))
             if dead is not None:
                 raise annotate(dead[1], group, [dead[0]], start, what) from None
             note.tick()

@@ -12,6 +12,9 @@ import random
 
 import pytest
 
+from distgrad.collectives._signature import CHECKED_CALLS
+from distgrad.errors import RankFailedError
+from distgrad.testing import run_on_ranks
 from tests.faults._inject import LARGE, SMALL, Fault, Seen, inject, named, ops
 
 DETECTED_WITHIN_S = 5.0
@@ -109,3 +112,49 @@ def test_a_peer_killed_in_the_wait_is_named_dead_in_tens_of_milliseconds(
         assert "its connection to rank 1 closed" in first, first
         assert "rank 1 exited or crashed" in first, first
         assert "still running" not in first and "cannot tell" not in first, first
+
+
+def _blocked_on_a_live_peer(rank: int, world_size: int) -> tuple[float, str]:
+    """Rank 1 dies; rank 0 fails at it and lingers without exiting; rank 2 waits on rank 0."""
+    import os
+    import signal
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    import distgrad as dg
+
+    x = torch.ones(64, 128)  # 32 KB: a message small enough to be waited for inline on 2 ranks
+    for _ in range(CHECKED_CALLS):
+        dg.all_reduce(torch.zeros(1))
+    dist.barrier()
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    died = time.time()  # within a few ms of rank 1's death: the barrier released every rank
+    if rank == 0:
+        with pytest.raises(RuntimeError):
+            dg.permute(x, [1, 0, 2], recv_shape=x.shape)  # 0 <-> 1; 2 keeps its own
+        time.sleep(4)  # alive, and never comes to rank 2's exchange
+        return 0.0, ""
+    with pytest.raises(RuntimeError) as info:
+        dg.permute(x, [2, 1, 0], recv_shape=x.shape)  # 0 <-> 2: rank 0 never comes
+    return time.time() - died, str(info.value).splitlines()[0]
+
+
+def test_a_rank_waiting_on_a_live_peer_names_the_rank_that_died() -> None:
+    """On 3 ranks, rank 2 waits on rank 0, which is alive but stopped at its own error when
+    rank 1 died: rank 2 names rank 1 as exited or crashed within a second, rather than waiting
+    until rank 0's process ends and blaming rank 0."""
+    failure = None
+    try:
+        run_on_ranks(_blocked_on_a_live_peer, 3, timeout=60, collective_timeout=PG_TIMEOUT_S)
+    except RankFailedError as exc:
+        failure = exc
+    assert failure is not None, "rank 1's death failed no rank"
+    assert 2 in failure.results, f"rank 2 never reported: it was still waiting\n{failure}"
+    took, first = failure.results[2]
+    assert took < NAMED_WITHIN_S + 0.4, f"{took:.3f} s: {first}"
+    assert first.startswith("distgrad: rank 2 was in the forward of permute"), first
+    assert "rank 1 exited or crashed" in first, first
+    assert "still running" not in first, first
