@@ -57,8 +57,8 @@ import torch.distributed._functional_collectives as funcol
 import torch.distributed.nn.functional as dist_nn
 
 import distgrad as dg
-from distgrad import _comm
-from distgrad._group import resolve
+from distgrad._exchange import ops
+from distgrad._exchange.group import resolve
 from distgrad.collectives._signature import CHECKED_CALLS
 from distgrad.testing import run_on_ranks
 
@@ -205,14 +205,14 @@ def _floor_pair(op: str) -> tuple[Raw, Raw]:
     n = group.size
 
     def gather_all(x: torch.Tensor) -> torch.Tensor:
-        return _comm.all_gather(x, [x.shape[0]] * n, group)
+        return ops.all_gather.run(x, [x.shape[0]] * n, group)
 
     def scatter_sum(x: torch.Tensor) -> torch.Tensor:
-        return _comm.reduce_scatter(x, [x.shape[0] // n] * n, group)
+        return ops.reduce_scatter.run(x, [x.shape[0] // n] * n, group)
 
     def exchange(x: torch.Tensor) -> torch.Tensor:
         rows = [x.shape[0] // n] * n
-        return _comm.all_to_all(x, rows, rows, group)
+        return ops.all_to_all.run(x, rows, rows, group)
 
     ours = {
         "all_gather": (gather_all, scatter_sum),

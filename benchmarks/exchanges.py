@@ -37,8 +37,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from distgrad import _comm
-from distgrad._group import Group, resolve
+from distgrad._exchange import ops
+from distgrad._exchange.group import Group, resolve
+from distgrad._exchange.inflight import ExchangeOp
+from distgrad._exchange.pairs import exchange_by_pairs
 from distgrad.testing import run_on_ranks
 
 RESULTS = Path(__file__).parent / "results" / "exchanges.md"
@@ -49,7 +51,7 @@ SIZES = {"4 KB": 8, "32 KB": 64, "256 KB": 512}
 Candidate = Callable[[], torch.Tensor]
 
 # distgrad's pairs exchange (what its large all_gather runs), callable on its own.
-_BY_PAIRS = _comm.ExchangeOp(_comm._exchange_by_pairs)
+_BY_PAIRS = ExchangeOp(exchange_by_pairs)
 
 
 def _reduce_scatter(x: torch.Tensor, group: Group) -> dict[str, Candidate]:
@@ -59,10 +61,10 @@ def _reduce_scatter(x: torch.Tensor, group: Group) -> dict[str, Candidate]:
     pg = group.pg
 
     def all_to_all_and_sum() -> torch.Tensor:
-        return _comm.reduce_scatter(x, sizes, group)
+        return ops.reduce_scatter.run(x, sizes, group)
 
     def all_reduce_and_slice() -> torch.Tensor:
-        return _comm.all_reduce(x, "sum", group).narrow(0, group.rank * rows, rows).clone()
+        return ops.all_reduce.run(x, "sum", group).narrow(0, group.rank * rows, rows).clone()
 
     def gloo_reduce_scatter() -> torch.Tensor:
         out = x.new_empty((rows, *x.shape[1:]))
@@ -83,7 +85,7 @@ def _all_gather(x: torch.Tensor, group: Group) -> dict[str, Candidate]:
     sizes = [rows] * n
 
     def gloo_all_gather() -> torch.Tensor:
-        return _comm.all_gather(x, sizes, group)
+        return ops.all_gather.run(x, sizes, group)
 
     def pairs() -> torch.Tensor:
         out = x.new_empty((rows * n, *x.shape[1:]))
@@ -91,7 +93,7 @@ def _all_gather(x: torch.Tensor, group: Group) -> dict[str, Candidate]:
         return out
 
     def all_to_all() -> torch.Tensor:
-        return _comm.all_to_all(x.repeat(n, 1), sizes, sizes, group)
+        return ops.all_to_all.run(x.repeat(n, 1), sizes, sizes, group)
 
     return {
         "gloo's all_gather (distgrad)": gloo_all_gather,
@@ -105,11 +107,11 @@ def _all_reduce(x: torch.Tensor, group: Group) -> dict[str, Candidate]:
     sizes = [rows] * n
 
     def gloo_all_reduce() -> torch.Tensor:
-        return _comm.all_reduce(x, "sum", group)
+        return ops.all_reduce.run(x, "sum", group)
 
     def two_steps() -> torch.Tensor:
-        mine = _comm.reduce_scatter(x, sizes, group)
-        return _comm.all_gather(mine, sizes, group)
+        mine = ops.reduce_scatter.run(x, sizes, group)
+        return ops.all_gather.run(mine, sizes, group)
 
     return {
         "gloo's all_reduce (distgrad)": gloo_all_reduce,

@@ -7,9 +7,9 @@ The objective every gradient refers to is the sum over ranks of what each rank b
 from __future__ import annotations
 
 from distgrad import errors, losses, parallel, rpc, testing
-from distgrad._async import AsyncTensor
-from distgrad._guard import set_guard
-from distgrad._meta import set_debug
+from distgrad._exchange.async_op import AsyncTensor
+from distgrad._exchange.guard import set_guard
+from distgrad._exchange.handshake import set_debug
 from distgrad.collectives import (
     all_gather,
     all_reduce,

@@ -1,6 +1,7 @@
 """distgrad's ``torch.library`` ops: what ``torch.compile`` emits for each exchange.
 
-Every op takes the order token (``distgrad._ops.order_token``) as its one mutated argument and
+Every op takes the order token (``distgrad._exchange.declare.order_token``) as its one mutated
+argument and
 is defined straight on the dispatcher: its schema inferred from the function's annotations as
 ``torch.library.custom_op`` does, its kernel registered for every backend
 (``CompositeExplicitAutograd``), its fake kernel through ``torch.library.register_fake``.
@@ -41,7 +42,7 @@ class Op:
 
 def op(name: str) -> Callable[[Callable[..., Any]], Op]:
     """Define ``distgrad::<name>`` with the decorated function as its kernel; the function's
-    ``token`` argument is declared mutated (it never is: see ``distgrad._ops``)."""
+    ``token`` argument is declared mutated (it never is: see ``distgrad._exchange.declare``)."""
 
     def define_from(kernel: Callable[..., Any]) -> Op:
         _define(name, torch.library.infer_schema(kernel, mutates_args=("token",)), kernel)
@@ -53,8 +54,8 @@ def op(name: str) -> Callable[[Callable[..., Any]], Op]:
 def define(name: str, schema: str, kernel: Callable[..., Any], fake: Callable[..., Any]) -> None:
     """Define ``distgrad::<name>`` from a written ``schema`` (its ``token`` argument marked
     mutated, ``Tensor(a!) token``), with ``kernel`` for every backend and ``fake`` for tracing:
-    for a kernel that takes its arguments generically (``distgrad._ops.Exchange``), where no
-    annotations can give the schema."""
+    for a kernel that takes its arguments generically (``distgrad._exchange.declare.Exchange``),
+    where no annotations can give the schema."""
     _define(name, schema, kernel)
     torch.library.register_fake(f"distgrad::{name}", fake, lib=_LIBRARY)
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import distgrad as dg
-from distgrad._meta import debug_enabled
+from distgrad._exchange.handshake import debug_enabled
 from distgrad.errors import CollectiveArgumentError, CollectiveMismatchError, RankFailedError
 from distgrad.testing import run_on_ranks
 from tests._support import seeded

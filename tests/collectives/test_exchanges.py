@@ -1,8 +1,8 @@
-"""Each exchange's declared output (``distgrad._ops.Exchange.meta``, which the async result and
-the compiled graph's fake kernel both use) is what its eager call returns, on every rank, for
-even and uneven sizes and for the ranks off a root: shape, dtype and device. A declaration that
-drifted from its ``_comm`` steps would give a compiled graph or an in-flight result the wrong
-shape while eager stayed right."""
+"""Each exchange's declared output (``distgrad._exchange.declare.Exchange.meta``, which the async
+result and the compiled graph's fake kernel both use) is what its eager call returns, on every
+rank, for even and uneven sizes and for the ranks off a root: shape, dtype and device. A
+declaration that drifted from its steps would give a compiled graph or an in-flight result the
+wrong shape while eager stayed right."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import torch
 
-from distgrad import _ops
-from distgrad._group import resolve
+from distgrad._exchange import ops
+from distgrad._exchange.group import resolve
 from distgrad.testing import run_on_ranks
 from tests._support import seeded
 
@@ -42,8 +42,8 @@ def _compare(rank: int, n: int) -> list[str]:
     group = resolve(None)
     found = []
     cases = _cases(rank, n)
-    assert set(cases) == {e.name for e in _ops.EXCHANGES}  # every exchange has a case
-    for exchange in _ops.EXCHANGES:
+    assert set(cases) == {e.name for e in ops.EXCHANGES}  # every exchange has a case
+    for exchange in ops.EXCHANGES:
         x, *args = cases[exchange.name]
         out = exchange(x, *args, group)
         shape, dtype, device = exchange.meta(x, *args, group.rank)

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 import distgrad as dg
-from distgrad import _wait
+from distgrad._exchange import wait as _wait
 from distgrad.testing import run_on_ranks
 from tests.collectives.reference import warm_up
 

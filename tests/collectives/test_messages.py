@@ -10,8 +10,8 @@ point-to-point pairs (one send and one receive per peer: "send 1, recv 1" on 2 r
 metadata exchange is an ``_allgather_base_`` of int64.
 
 Not counted: the dead-peer watch's sentinel, a receive posted once per peer for the life of the
-group when some wait first lasts a tick (``distgrad._wait``). It is made before counting, so
-that whether a wait happened to last 20 ms does not change the counts.
+group when some wait first lasts a tick (``distgrad._exchange.wait``). It is made before
+counting, so that whether a wait happened to last 20 ms does not change the counts.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from torch import Tensor
 from torch.profiler import ProfilerActivity, profile
 
 import distgrad as dg
-from distgrad import _wait
-from distgrad._group import resolve
+from distgrad._exchange import wait as _wait
+from distgrad._exchange.group import resolve
 from distgrad.testing import run_on_ranks
 from tests.collectives.reference import warm_up
 

@@ -1,4 +1,4 @@
-"""The data guard (distgrad._guard, opt-in: dg.set_guard(True) or DISTGRAD_GUARD=1).
+"""The data guard (distgrad._exchange.guard, opt-in: dg.set_guard(True) or DISTGRAD_GUARD=1).
 
 Mismatches past the checked calls that move the same number of bytes, silently wrong without
 the guard, are a CollectiveMismatchError with it, with no extra message. Two gloo ranks make 9

@@ -22,7 +22,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from distgrad import _alive
+from distgrad._exchange import alive as _alive
 
 
 def _closed_port() -> int:

@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 
 import distgrad as dg
-from distgrad import _alive, _group
+from distgrad._exchange import alive as _alive
+from distgrad._exchange import group as _group
 from distgrad.collectives import _signature
 from distgrad.testing import run_on_ranks
 from tests._support import EXACT

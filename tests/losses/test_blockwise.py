@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import distgrad as dg
-from distgrad._group import resolve
+from distgrad._exchange.group import resolve
 from distgrad.losses import contrastive
 from distgrad.losses._blockwise import ring_clip, ring_reduce
 from distgrad.testing import check_against_single_process, run_on_ranks

@@ -21,16 +21,10 @@ from tests.import_graph import (
 # lists): the areas of one layer are independent of each other. Read from the real imports.
 LAYERS: Layers = [
     # Standard library and torch only: the error tree, liveness sockets, op definitions.
-    [["distgrad.errors"], ["distgrad._alive"], ["distgrad._library"]],
+    [["distgrad.errors"], ["distgrad._exchange.alive"], ["distgrad._library"]],
     [["distgrad._mesh"]],  # groups from device meshes; DTensors refused at the door
-    [["distgrad._group"]],  # groups, ranks, sizes; forgetting destroyed groups
-    [["distgrad._wait"]],  # how a rank waits: ticks, dead peers, errors that say where
-    # The data guard past the checked calls: tags that travel in the data's own buffers.
-    [["distgrad._guard"]],
-    [["distgrad._comm"]],  # raw out-of-place communication: every backend quirk
-    [["distgrad._async"]],  # async_op=True: results that wait for their data on first use
-    # The checked calls' metadata and debug mode; the torch.library ops.
-    [["distgrad._meta"], ["distgrad._ops"]],
+    # Every exchange, its waits and its checks; its floors: EXCHANGE_FLOORS below.
+    [["distgrad._exchange"]],
     [["distgrad.collectives"]],  # the differentiable ops, one file per adjoint pair
     # Built on the collectives; rpc stands beside them (it needs only the errors).
     [["distgrad.losses"], ["distgrad.parallel"], ["distgrad.rpc"]],
@@ -38,6 +32,22 @@ LAYERS: Layers = [
     [["distgrad.__init__"]],  # the public surface: re-exports only
     [["distgrad._demo"]],  # the demo, a user of the public surface
     [["distgrad._cli", "distgrad.__main__"]],  # the command line, at the top
+]
+
+# The floors of the exchange layer, bottom first (docs/semantics.md, "Inside distgrad").
+_X = "distgrad._exchange"
+EXCHANGE_FLOORS: Layers = [
+    [[f"{_X}.alive"]],  # liveness sockets and /proc: is a peer's process still there
+    [[f"{_X}.group"]],  # groups, ranks, sizes; forgetting destroyed groups
+    [[f"{_X}.wait"]],  # how a rank waits: ticks, dead peers, errors that say where
+    # The data guard's tags in the data's own bytes; which c10d call each backend gets.
+    [[f"{_X}.guard"], [f"{_X}.backend"]],
+    [[f"{_X}.inflight"]],  # starting and waiting for a c10d call; steps; staging
+    # Point-to-point pairs; the checked calls' metadata handshake; AsyncTensor.
+    [[f"{_X}.pairs"], [f"{_X}.handshake"], [f"{_X}.async_op"]],
+    [[f"{_X}.declare"]],  # one declaration -> eager call, async branch, custom op, fake
+    [[f"{_X}.ops"]],  # the exchanges, one file each
+    [[f"{_X}.__init__"]],
 ]
 
 
@@ -55,6 +65,12 @@ def test_every_import_points_down_the_declared_layers() -> None:
     assert not violations, "\n".join(violations)
 
 
+def test_the_exchange_layer_keeps_its_floors() -> None:
+    graph = init_named(import_graph(_X), _X)
+    violations = layer_violations(graph, EXCHANGE_FLOORS)
+    assert not violations, "\n".join(violations)
+
+
 def test_the_layer_check_refuses_an_import_upward_or_across() -> None:
     layers: Layers = [[["p.low"]], [["p.a"], ["p.b"]]]
     assert layer_violations({"p.a.x": {"p.low", "p.a.y"}, "p.a.y": set()}, layers) == []
@@ -68,7 +84,8 @@ def test_the_layer_check_refuses_an_import_upward_or_across() -> None:
 
 def test_the_layer_test_sees_every_module() -> None:
     names = module_files("distgrad")
-    assert "distgrad._comm" in names and "distgrad.rpc.fast" in names and len(names) > 50
+    assert "distgrad._exchange.ops.all_gather" in names and "distgrad.rpc.fast" in names
+    assert len(names) > 50
 
 
 def test_the_circle_finder_finds_one() -> None:

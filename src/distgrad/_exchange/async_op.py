@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from distgrad._comm import Pending
+from distgrad._exchange.inflight import Pending
 
 __all__ = ["AsyncTensor", "deferred", "deferring", "offers_async_op", "resolved", "started"]
 

@@ -1,22 +1,24 @@
-"""Raw communication that ``torch.compile`` can trace: ``_comm`` as ``torch.library`` custom ops.
+"""One declaration per exchange, and the four forms made from it.
 
-The differentiable collectives call these functions in forward and backward. In eager mode each
-one calls ``_comm`` directly: eager speed must not pay for compilation, and even a lean custom
-op (``distgrad._library``) adds a trip through the dispatcher to every call. While ``torch.compile``
-traces, each one emits a ``distgrad::`` custom op instead: an opaque node with a fake kernel
-that gives its output's shape, so the whole step compiles to one graph with no break, and the
-node runs the same ``_comm`` code when the graph runs. The autograd formulas stay where they
-are (the ``autograd.Function`` of each collective, which the compiler traces through): one
-definition of every adjoint for both modes.
+Each exchange (``distgrad._exchange.ops``, one file each) is declared once as an
+:class:`Exchange`: its steps (a generator, ``distgrad._exchange.inflight``), the schema of its
+arguments, its output's metadata as one function of its arguments, and what becomes of a rank's
+empty result. From that declaration come the four forms an exchange takes:
 
-Each exchange is declared once (:class:`Exchange`): the ``_comm`` op that does the work, the
-schema of its arguments, its output's metadata as one function of its arguments, and what
-becomes of a rank's empty result. From that declaration come the four forms an exchange
-takes: the eager call, the ``async_op=True`` branch (an in-flight result whose shape is the
-declared one), the ``distgrad::`` custom op, and its fake kernel (the declared shape again),
-so a shape is written once and the async result and the compiled graph cannot disagree about
-it (``tests/collectives/test_exchanges.py`` checks the declaration against the eager result).
-A new exchange is one declaration here and its steps in ``_comm``.
+* the eager call: the steps driven through at once;
+* the ``async_op=True`` branch: an in-flight result whose shape is the declared one;
+* the ``distgrad::<name>`` custom op, which ``torch.compile`` records as one opaque node;
+* its fake kernel: the declared shape again.
+
+So a shape is written once, and the async result and the compiled graph cannot disagree about it
+(``tests/collectives/test_exchanges.py`` checks the declaration against the eager result).
+
+Eager mode calls the steps directly: eager speed must not pay for compilation, and even a lean
+custom op (``distgrad._library``) adds a trip through the dispatcher to every call. While
+``torch.compile`` traces, each call emits the custom op instead, so the whole step compiles to
+one graph with no break, and the node runs the same steps when the graph runs. The autograd
+formulas stay where they are (the ``autograd.Function`` of each collective, which the compiler
+traces through): one definition of every adjoint for both modes.
 
 Why custom ops rather than torch's functional collectives underneath: those take no uneven
 sizes for all_gather and reduce_scatter, have no gather, scatter or point-to-point, and would
@@ -35,26 +37,22 @@ import torch
 import torch.distributed.distributed_c10d as c10d
 from torch import Tensor
 
-from distgrad import _comm
-from distgrad._async import deferring, resolved, started
-from distgrad._group import Group, resolve
+from distgrad._exchange.async_op import deferring, resolved, started
+from distgrad._exchange.group import Group, resolve
+from distgrad._exchange.inflight import ExchangeOp, Steps
 from distgrad._library import define
 
 __all__ = [
-    "EXCHANGES",
     "Exchange",
-    "all_gather",
-    "all_reduce",
-    "all_to_all",
-    "broadcast",
-    "gather",
+    "Meta",
+    "exchange",
     "group_named",
+    "like",
+    "no_rows",
     "order_token",
-    "permute",
-    "reduce",
-    "reduce_scatter",
-    "scatter",
+    "rows",
     "traced",
+    "zeros",
 ]
 
 
@@ -110,18 +108,20 @@ class Exchange:
     """One exchange, declared once; calling it runs it (eagerly, in flight, or traced).
 
     * ``name``: the custom op's name (``distgrad::<name>``);
-    * ``comm``: the ``_comm`` op that does the work, called as ``comm(x, *args, group)``;
+    * ``run``: its steps as a blocking call, ``run(x, *args, group)``, with ``run.start`` for
+      ``async_op=True`` and ``run.steps`` for an exchange built on it; it never emits a
+      custom op (the callers that must stay raw, inside a backward, call it);
     * ``schema``: its arguments after ``x``, in ``torch.library`` schema words (``int[] sizes,
       int dst``); every custom op also takes this rank's group rank, the group's registered
       name and the order token;
     * ``meta(x, *args, rank)``: the output's shape, dtype and device;
-    * ``empty``: what a rank whose ``comm`` returns ``None`` (off a reduce's or gather's
+    * ``empty``: what a rank whose steps return ``None`` (off a reduce's or gather's
       destination) gets instead, from the input: zeros or an empty slice;
     * ``takes_none``: ``x`` may be ``None`` (scatter's receivers).
     """
 
     name: str
-    comm: _comm.ExchangeOp[..., Any]
+    run: ExchangeOp[..., Any]
     schema: str
     meta: Callable[..., Meta]
     empty: Callable[[Tensor], Tensor] | None = None
@@ -148,9 +148,9 @@ class Exchange:
         if deferring():
             shape, dtype, device = self.meta(x, *args, group.rank)
             like = torch.empty(tuple(shape), dtype=dtype, device="meta")
-            pending = self.comm.start(x, *args, group)
+            pending = self.run.start(x, *args, group)
             return started(pending, like, device, self._finisher(x))
-        out = self.comm(x, *args, group)
+        out = self.run(x, *args, group)
         return out if out is not None else self._result(out, x)
 
     def _result(self, out: Tensor | None, x: Tensor | None) -> Tensor:
@@ -166,7 +166,7 @@ class Exchange:
 
     def _kernel(self, x: Tensor | None, *passed: Any) -> Tensor:
         *args, _rank, group, _token = passed
-        out = self._result(self.comm(x, *args, group_named(group)), x)
+        out = self._result(self.run(x, *args, group_named(group)), x)
         # A custom op's output may share memory with nothing the caller can see: a view of a
         # receive buffer (scatter's slice) is copied; it is the buffer's only view, so cheaply.
         return out if out._base is None else out.clone()
@@ -177,100 +177,45 @@ class Exchange:
         return torch.empty(tuple(shape), dtype=dtype, device=device)
 
 
+def exchange(
+    schema: str,
+    meta: Callable[..., Meta],
+    *,
+    staged: bool = True,
+    empty: Callable[[Tensor], Tensor] | None = None,
+    takes_none: bool = False,
+) -> Callable[[Callable[..., Steps[Any]]], Exchange]:
+    """Declare the exchange whose steps the decorated generator is (named after it); see
+    :class:`Exchange` for the arguments. ``staged``: the steps are ``steps(x, ..., group)``,
+    and a CUDA ``x`` on gloo goes through host memory (``distgrad._exchange.inflight``)."""
+
+    def declare(steps: Callable[..., Steps[Any]]) -> Exchange:
+        run: ExchangeOp[..., Any] = ExchangeOp(steps, staged=staged)
+        return Exchange(steps.__name__, run, schema, meta, empty, takes_none)
+
+    return declare
+
+
 def _listed(arg: Any) -> Any:
     """A custom op takes lists where the eager call takes any sequence of ints."""
     return list(arg) if isinstance(arg, tuple) else arg
 
 
-def _like(x: Tensor, shape: Sequence[int]) -> Meta:
+def like(x: Tensor, shape: Sequence[int]) -> Meta:
+    """An output of ``shape`` with ``x``'s dtype and device."""
     return shape, x.dtype, x.device
 
 
-def _rows(x: Tensor, rows: int) -> Meta:
-    return _like(x, (rows, *x.shape[1:]))
+def rows(x: Tensor, count: int) -> Meta:
+    """An output of ``count`` rows of ``x``'s row shape, dtype and device."""
+    return like(x, (count, *x.shape[1:]))
 
 
-def _zeros(x: Tensor) -> Tensor:
+def zeros(x: Tensor) -> Tensor:
+    """Zeros like ``x``: a reduce's result off its destination (a constant)."""
     return torch.zeros_like(x, memory_format=torch.contiguous_format)
 
 
-def _no_rows(x: Tensor) -> Tensor:
+def no_rows(x: Tensor) -> Tensor:
+    """An empty slice of ``x``'s rows: a gather's result off its destination."""
     return x.new_empty((0, *x.shape[1:]))
-
-
-# Each exchange: its steps (_comm), its arguments, its output. Dim 0 throughout.
-all_gather = Exchange(
-    "all_gather",
-    _comm.all_gather,
-    "int[] sizes",
-    lambda x, sizes, rank: _rows(x, sum(sizes)),
-)
-reduce_scatter = Exchange(
-    "reduce_scatter",
-    _comm.reduce_scatter,
-    "int[] sizes",
-    lambda x, sizes, rank: _rows(x, sizes[rank]),
-)
-all_to_all = Exchange(
-    "all_to_all",
-    _comm.all_to_all,
-    "int[] input_sizes, int[] output_sizes",
-    lambda x, input_sizes, output_sizes, rank: _rows(x, sum(output_sizes)),
-)
-all_reduce = Exchange(
-    "all_reduce",
-    _comm.all_reduce,
-    "str op",
-    lambda x, op, rank: _like(x, x.shape),
-)
-broadcast = Exchange(
-    "broadcast",
-    _comm.broadcast,
-    "int src",
-    lambda x, src, rank: _like(x, x.shape),
-)
-# The sum over ranks on dst; zeros (a constant) on every other rank.
-reduce = Exchange(
-    "reduce",
-    _comm.reduce,
-    "int dst",
-    lambda x, dst, rank: _like(x, x.shape),
-    empty=_zeros,
-)
-# Every rank's x concatenated on dst; an empty slice (0 rows) on every other rank.
-gather = Exchange(
-    "gather",
-    _comm.gather,
-    "int[] sizes, int dst",
-    lambda x, sizes, dst, rank: _rows(x, sum(sizes) if rank == dst else 0),
-    empty=_no_rows,
-)
-scatter = Exchange(
-    "scatter",
-    _comm.scatter,
-    "int[] sizes, int src, int[] trailing, ScalarType dtype, Device device",
-    lambda x, sizes, src, trailing, dtype, device, rank: (
-        (sizes[rank], *trailing),
-        dtype,
-        device,
-    ),
-    takes_none=True,
-)
-permute = Exchange(
-    "permute",
-    _comm.permute,
-    "int[] perm, int[] recv_shape",
-    lambda x, perm, recv_shape, rank: _like(x, recv_shape),
-)
-
-EXCHANGES: tuple[Exchange, ...] = (
-    all_gather,
-    reduce_scatter,
-    all_to_all,
-    all_reduce,
-    broadcast,
-    reduce,
-    gather,
-    scatter,
-    permute,
-)

@@ -20,7 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from distgrad import _alive, _mesh
+from distgrad import _mesh
+from distgrad._exchange import alive as _alive
 from distgrad.errors import CollectiveArgumentError
 
 __all__ = ["Group", "ProcessGroup", "forget_destroyed", "on_forget", "resolve"]
@@ -159,7 +160,8 @@ def settle_backend_threads() -> None:
 
     While a backward runs, torch's autograd engine keeps a Python object (the caller's
     contextvars) in the thread-local state, and every collective started then captures it in
-    its work: distgrad's own (which it starts without it, ``_comm._start``) and DDP's bucket
+    its work: distgrad's own (which it starts without it,
+    ``inflight.start_outside_engine``) and DDP's bucket
     all-reduces, started from its gradient hooks. gloo's worker thread drops the last reference
     to a finished work, and releasing that object takes the GIL. If the thread holding the GIL
     drops the group's last reference meanwhile (``destroy_process_group``, or a DDP module

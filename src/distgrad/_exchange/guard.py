@@ -31,6 +31,7 @@ alike (every rank's tag then says the same).
 
 from __future__ import annotations
 
+import math
 import os
 import zlib
 from collections.abc import Sequence
@@ -40,20 +41,25 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor
 
-from distgrad import _wait
-from distgrad._group import Group, on_forget
+from distgrad._exchange import wait as _wait
+from distgrad._exchange.group import Group, on_forget
 from distgrad.errors import CollectiveMismatchError
 
 __all__ = [
     "BYTES",
     "Tag",
+    "as_bytes",
     "byte_tag",
     "check",
     "enabled",
     "raise_pending",
     "reduced_tag",
+    "row_bytes",
     "set_guard",
     "tag_tensor",
+    "tagged",
+    "untagged",
+    "with_tail",
 ]
 
 BYTES = 8
@@ -282,3 +288,45 @@ def _mismatch(tag: Tag, group: Group, late: bool = False) -> CollectiveMismatchE
         "a call. Rerun with DISTGRAD_DEBUG=1: every call is then checked across ranks, and the "
         "error names the rank and what it passed."
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# Tags in the bytes an exchange moves: each piece's bytes followed by its tag, one copy.
+
+
+def as_bytes(x: Tensor) -> Tensor:
+    """``x``'s bytes, flat (a view when ``x`` is contiguous)."""
+    flat = x.contiguous().view(-1)
+    if flat.numel() <= 1 and flat.stride(0) != 1:  # a lone entry keeps any stride it had
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    return flat.view(torch.uint8)
+
+
+def row_bytes(x: Tensor) -> int:
+    return math.prod(x.shape[1:]) * x.element_size()
+
+
+def tagged(parts: Sequence[Tensor], tag: Tag) -> Tensor:
+    """Each part's bytes followed by ``tag``'s, concatenated: one copy (see above)."""
+    mark = tag_tensor(tag, torch.uint8, parts[0].device)
+    return torch.cat([piece for part in parts for piece in (as_bytes(part), mark)])
+
+
+def untagged(
+    received: Tensor, pieces: Sequence[int], tag: Tag, group: Group, like: Tensor, rows: int
+) -> Tensor:
+    """Check the tag after each of ``received``'s byte ``pieces`` (each ends in one), and return
+    the data before them as ``rows`` rows of ``like``'s row shape and dtype."""
+    blocks = torch.split(received, list(pieces))
+    check(torch.stack([b[-BYTES:] for b in blocks]), tag, group)
+    data = torch.cat([b[:-BYTES] for b in blocks])
+    return data.view(like.dtype).view(rows, *like.shape[1:])
+
+
+def with_tail(x: Tensor, tag: Tag | None) -> tuple[Tensor, int]:
+    """A fresh contiguous copy of ``x`` to reduce in place: ``x`` itself when unguarded, else
+    flat with ``tag``'s values after ``x``'s (at index ``x.numel()``, returned). The same one
+    copy either way, so the guard costs the tag's few elements."""
+    if tag is None:
+        return x.clone(memory_format=torch.contiguous_format), 0
+    return torch.cat([x.reshape(-1), tag_tensor(tag, x.dtype, x.device)]), x.numel()

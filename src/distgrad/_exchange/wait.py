@@ -55,8 +55,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from distgrad import _alive
-from distgrad._group import Group, on_forget
+from distgrad._exchange import alive as _alive
+from distgrad._exchange.group import Group, on_forget
 from distgrad.errors import PeerGoneError
 
 __all__ = [

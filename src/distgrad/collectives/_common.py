@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from distgrad._async import AsyncTensor
+from distgrad._exchange.async_op import AsyncTensor
 
 __all__ = [
     "OBJECTIVES",
@@ -114,7 +114,7 @@ def byte_shape(trailing: tuple[int, ...], dtype: torch.dtype) -> tuple[int, ...]
 
 
 def to_front(x: Tensor, dim: int) -> Tensor:
-    """``x`` with ``dim`` moved to the front and contiguous: the layout ``_comm`` works in."""
+    """``x`` with ``dim`` moved to the front and contiguous: the layout the exchanges work in."""
     return (x if dim == 0 else x.movedim(dim, 0)).contiguous()
 
 

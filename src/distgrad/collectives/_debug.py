@@ -7,9 +7,9 @@ import zlib
 import torch
 from torch import Tensor
 
-from distgrad import _comm
-from distgrad._group import Group
-from distgrad._meta import debug_enabled, exchange, require_same
+from distgrad._exchange import ops
+from distgrad._exchange.group import Group
+from distgrad._exchange.handshake import debug_enabled, exchange, require_same
 from distgrad.errors import CollectiveMismatchError
 
 __all__ = ["check_backward_order", "check_replicated"]
@@ -50,13 +50,13 @@ def check_replicated(op: str, group: Group, grad: Tensor) -> None:
     """With objective="replicated" every rank must back-propagate the same gradient."""
     if not _checking(group):
         return
-    reference = _comm.broadcast(grad, 0, group)
+    reference = ops.broadcast.run(grad, 0, group)
     # Bit-identical gradients are the same even where they hold NaN (NaN != NaN).
     same = torch.equal(grad, reference) or bool(
         ((grad == reference) | (grad.isnan() & reference.isnan())).all()
     )
     differs = torch.tensor([float(not same)], device=grad.device)
-    count = int(_comm.all_reduce(differs, "sum", group).item())
+    count = int(ops.all_reduce.run(differs, "sum", group).item())
     if count:
         raise CollectiveMismatchError(
             f"backward of {op}(objective='replicated') on rank {group.rank}: {count} of "

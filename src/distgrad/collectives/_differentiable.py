@@ -3,7 +3,7 @@
 An op states three things and nothing else (JAX states a transpose the same way, beside its op):
 
 * its **plan**: a frozen dataclass, derived from :class:`Plan`, of what the exchange needs;
-* its **work**, ``run(x, plan)``: the forward's exchange, through ``distgrad._ops``;
+* its **work**, ``run(x, plan)``: the forward's exchange, through ``distgrad._exchange.ops``;
 * its **adjoint**, ``adjoint(plan)``: one line naming the partner op and the transposed plan
   (``return _ReduceScatterSum, plan``; ``return _AllToAll, plan.swapped()``). The backward is
   the partner's forward on the incoming gradient: another op of this package, so a double
@@ -25,8 +25,8 @@ import torch
 from torch import Tensor
 from torch.autograd.function import FunctionCtx
 
-from distgrad._async import deferred, deferring
-from distgrad._group import Group
+from distgrad._exchange.async_op import deferred, deferring
+from distgrad._exchange.group import Group
 from distgrad.collectives._common import Objective
 from distgrad.collectives._debug import check_backward_order, check_replicated
 
@@ -79,7 +79,8 @@ def _forward_of(op: type[Collective]) -> Any:
     def forward(ctx: FunctionCtx, x: Tensor | None, plan: Plan, anchor: Tensor | None) -> Tensor:
         ctx.plan = plan  # type: ignore[attr-defined]
         ctx.anchor_like = anchor.detach() if anchor is not None else None  # type: ignore[attr-defined]
-        # async_op=True: the backward's exchange is started the same way (distgrad._async).
+        # async_op=True: the backward's exchange is started the same way
+        # (distgrad._exchange.async_op).
         ctx.deferred = not torch.compiler.is_compiling() and deferring()  # type: ignore[attr-defined]
         return op.run(x, plan)
 

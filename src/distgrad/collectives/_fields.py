@@ -24,8 +24,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from distgrad._group import Group
-from distgrad._meta import dtype_problem
+from distgrad._exchange.group import Group
+from distgrad._exchange.handshake import dtype_problem
 from distgrad.collectives import _common as c
 
 __all__ = ["Args", "Choice", "Dim", "ListField", "Perm", "Rank", "Reduction", "Shape", "Sizes"]

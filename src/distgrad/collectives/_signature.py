@@ -36,10 +36,10 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from distgrad import _comm, _ops
-from distgrad._group import Group, on_forget, resolve
-from distgrad._mesh import GroupLike, dtensor_problem
-from distgrad._meta import (
+from distgrad._exchange import ops
+from distgrad._exchange.backend import metadata_device
+from distgrad._exchange.group import Group, on_forget, resolve
+from distgrad._exchange.handshake import (
     RankCall,
     debug_enabled,
     dtype_name,
@@ -49,7 +49,8 @@ from distgrad._meta import (
     require_same,
     show,
 )
-from distgrad._wait import note_call
+from distgrad._exchange.wait import note_call
+from distgrad._mesh import GroupLike, dtensor_problem
 from distgrad.collectives._fields import Args, ListField, ScalarField
 from distgrad.errors import CollectiveArgumentError, CollectiveMismatchError
 
@@ -69,7 +70,8 @@ CHECKED_CALLS = 8
 """How many calls on each group are checked across ranks outside debug mode."""
 
 # How many distgrad calls this process has made on each group, by the group's id and name (see
-# distgrad._group). Every rank counts the same calls, so the counts name a call alike everywhere.
+# distgrad._exchange.group). Every rank counts the same calls, so the counts name a call alike
+# everywhere.
 _calls: dict[tuple[int, str], int] = {}
 
 
@@ -394,8 +396,8 @@ def assume_alike(desc: str, group: Group, values: Sequence[int], known_by: str) 
     be this rank's, and check it on the device: one all_gather of a few int64 and an
     asynchronous assertion, no host synchronisation. A rank whose values differ fails the
     assertion, saying to pass ``known_by``."""
-    mine = torch.tensor(list(values), dtype=torch.int64, device=_comm.metadata_device(group))
-    every = _ops.all_gather(mine, [len(values)] * group.size, group)
+    mine = torch.tensor(list(values), dtype=torch.int64, device=metadata_device(group))
+    every = ops.all_gather(mine, [len(values)] * group.size, group)
     torch._assert_async(
         (every.view(group.size, len(values)) == mine).all(),
         f"distgrad {desc}: inside torch.compile, a call without {known_by} takes every rank's "

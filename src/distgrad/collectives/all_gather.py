@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from distgrad import _ops
-from distgrad._async import offers_async_op
-from distgrad._group import Group
+from distgrad._exchange import ops
+from distgrad._exchange.async_op import offers_async_op
+from distgrad._exchange.group import Group
 from distgrad._mesh import GroupLike
 from distgrad.collectives import _common as c
 from distgrad.collectives._differentiable import Adjoint, Collective, Plan, apply
@@ -47,7 +47,7 @@ class _AllGather(Collective):
     @staticmethod
     def run(x: Tensor, plan: _Plan) -> Tensor:
         moved = c.as_bytes(c.to_front(x, plan.dim))
-        gathered = c.from_bytes(_ops.all_gather(moved, plan.sizes, plan.group), x.dtype)
+        gathered = c.from_bytes(ops.all_gather(moved, plan.sizes, plan.group), x.dtype)
         return c.output(c.from_front(gathered, plan.dim))
 
     @staticmethod
@@ -66,7 +66,7 @@ class _ReduceScatterSum(Collective):
 
     @staticmethod
     def run(x: Tensor, plan: _Plan) -> Tensor:
-        summed = _ops.reduce_scatter(c.to_front(x, plan.dim), plan.sizes, plan.group)
+        summed = ops.reduce_scatter(c.to_front(x, plan.dim), plan.sizes, plan.group)
         return c.output(c.from_front(summed, plan.dim))
 
     @staticmethod

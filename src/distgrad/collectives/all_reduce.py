@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from distgrad import _ops
-from distgrad._async import offers_async_op
-from distgrad._group import Group
+from distgrad._exchange import ops
+from distgrad._exchange.async_op import offers_async_op
+from distgrad._exchange.group import Group
 from distgrad._mesh import GroupLike
 from distgrad.collectives import _common as c
 from distgrad.collectives._differentiable import Adjoint, Collective, Plan, apply
@@ -30,7 +30,7 @@ class _AllReduceSum(Collective):
 
     @staticmethod
     def run(x: Tensor, plan: Plan) -> Tensor:
-        return c.output(_ops.all_reduce(x, "sum", plan.group))
+        return c.output(ops.all_reduce(x, "sum", plan.group))
 
     @staticmethod
     def adjoint(plan: Plan) -> Adjoint:

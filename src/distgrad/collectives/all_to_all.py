@@ -7,11 +7,11 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from distgrad import _ops
-from distgrad._async import offers_async_op
-from distgrad._group import Group
+from distgrad._exchange import ops
+from distgrad._exchange.async_op import offers_async_op
+from distgrad._exchange.group import Group
+from distgrad._exchange.handshake import RankCall
 from distgrad._mesh import GroupLike
-from distgrad._meta import RankCall
 from distgrad.collectives import _common as c
 from distgrad.collectives._differentiable import Adjoint, Collective, Plan, apply
 from distgrad.collectives._fields import Dim, Sizes
@@ -49,7 +49,7 @@ class _AllToAll(Collective):
     @staticmethod
     def run(x: Tensor, plan: _Plan) -> Tensor:
         moved = c.as_bytes(c.to_front(x, plan.dim))
-        out = _ops.all_to_all(moved, plan.input_sizes, plan.output_sizes, plan.group)
+        out = ops.all_to_all(moved, plan.input_sizes, plan.output_sizes, plan.group)
         return c.output(c.from_front(c.from_bytes(out, x.dtype), plan.dim))
 
     @staticmethod

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from distgrad import _ops
-from distgrad._async import offers_async_op
-from distgrad._group import Group
+from distgrad._exchange import ops
+from distgrad._exchange.async_op import offers_async_op
+from distgrad._exchange.group import Group
 from distgrad._mesh import GroupLike
 from distgrad.collectives import _common as c
 from distgrad.collectives._differentiable import Adjoint, Collective, Plan, apply
@@ -37,7 +37,7 @@ class _Broadcast(Collective):
 
     @staticmethod
     def run(x: Tensor, plan: _Plan) -> Tensor:
-        out = _ops.broadcast(c.as_bytes(x), plan.root, plan.group)
+        out = ops.broadcast(c.as_bytes(x), plan.root, plan.group)
         return c.output(c.from_bytes(out, x.dtype))
 
     @staticmethod
@@ -58,7 +58,7 @@ class _ReduceSum(Collective):
     @staticmethod
     def run(x: Tensor, plan: _Plan) -> Tensor:
         # Other ranks get a constant zero tensor: its gradient is zero and is never read.
-        return c.output(_ops.reduce(x, plan.root, plan.group))
+        return c.output(ops.reduce(x, plan.root, plan.group))
 
     @staticmethod
     def adjoint(plan: _Plan) -> Adjoint:

@@ -11,11 +11,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from distgrad import _comm, _ops
-from distgrad._async import offers_async_op
-from distgrad._group import Group
+from distgrad._exchange import ops
+from distgrad._exchange.async_op import offers_async_op
+from distgrad._exchange.backend import metadata_device
+from distgrad._exchange.group import Group
+from distgrad._exchange.handshake import RankCall
 from distgrad._mesh import GroupLike
-from distgrad._meta import RankCall
 from distgrad.collectives import _common as c
 from distgrad.collectives._differentiable import Adjoint, Collective, Plan, apply
 from distgrad.collectives._fields import Dim, Rank, Sizes
@@ -56,7 +57,7 @@ class _Gather(Collective):
     @staticmethod
     def run(x: Tensor, plan: _Plan) -> Tensor:
         moved = c.as_bytes(c.to_front(x, plan.dim))
-        out = c.from_bytes(_ops.gather(moved, plan.sizes, plan.root, plan.group), x.dtype)
+        out = c.from_bytes(ops.gather(moved, plan.sizes, plan.root, plan.group), x.dtype)
         return c.output(c.from_front(out, plan.dim))  # not the destination: 0 rows along dim
 
     @staticmethod
@@ -74,7 +75,7 @@ class _Scatter(Collective):
         moved = c.as_bytes(c.to_front(x, plan.dim)) if x is not None else None
         trailing = c.byte_shape(plan.trailing, plan.dtype)
         dtype = torch.uint8 if trailing != plan.trailing else plan.dtype
-        out = _ops.scatter(moved, plan.sizes, plan.root, trailing, dtype, plan.device, plan.group)
+        out = ops.scatter(moved, plan.sizes, plan.root, trailing, dtype, plan.device, plan.group)
         return c.output(c.from_front(c.from_bytes(out, plan.dtype), plan.dim))
 
     @staticmethod
@@ -201,7 +202,7 @@ def _scatter_as_the_source_says(
     dim = dim % len(source.shape)
     trailing = tuple(s for i, s in enumerate(source.shape) if i != dim)
     is_src = g.rank == src
-    device = x.device if isinstance(x, Tensor) else _comm.metadata_device(g)
+    device = x.device if isinstance(x, Tensor) else metadata_device(g)
     plan = _Plan(g, sizes, dim, src, trailing, source.dtype, device)
     mine = x if is_src else None
     if not is_src and isinstance(x, Tensor) and x.requires_grad:

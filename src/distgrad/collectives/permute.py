@@ -7,11 +7,11 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from distgrad import _ops
-from distgrad._async import offers_async_op
-from distgrad._group import Group
+from distgrad._exchange import ops
+from distgrad._exchange.async_op import offers_async_op
+from distgrad._exchange.group import Group
+from distgrad._exchange.handshake import show
 from distgrad._mesh import GroupLike
-from distgrad._meta import show
 from distgrad.collectives import _common as c
 from distgrad.collectives._differentiable import Adjoint, Collective, Plan, apply
 from distgrad.collectives._fields import Perm, Shape
@@ -44,7 +44,7 @@ class _Permute(Collective):
     @staticmethod
     def run(x: Tensor, plan: _Plan) -> Tensor:
         recv_shape = c.byte_shape(plan.recv_shape, x.dtype)
-        out = _ops.permute(c.as_bytes(x), plan.perm, recv_shape, plan.group)
+        out = ops.permute(c.as_bytes(x), plan.perm, recv_shape, plan.group)
         return c.output(c.from_bytes(out, x.dtype))
 
     @staticmethod

@@ -48,8 +48,9 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from distgrad import _comm, _ops
-from distgrad._group import Group
+from distgrad._exchange.declare import group_named, order_token, traced
+from distgrad._exchange.group import Group
+from distgrad._exchange.pairs import Pairs, start_pairs
 from distgrad._library import op
 
 __all__ = ["KINDS", "ring_clip", "ring_reduce"]
@@ -89,20 +90,18 @@ class _Plan:
 
     @staticmethod
     def of(rows: list[int], block: int, kind: str, mask_self: bool, group: str) -> _Plan:
-        return _Plan(_ops.group_named(group), tuple(rows), block, kind, mask_self)
+        return _Plan(group_named(group), tuple(rows), block, kind, mask_self)
 
 
-def _shift(x: Tensor, g: Group) -> tuple[Tensor, _comm.Exchange]:
+def _shift(x: Tensor, g: Group) -> tuple[Tensor, Pairs]:
     """Start sending ``x`` to the next rank of the ring; return the receive buffer and the
     exchange in flight (its ``wait`` names a peer that dies meanwhile)."""
     out = torch.empty_like(x)
     after, before = (g.rank + 1) % g.size, (g.rank - 1) % g.size
-    return out, _comm.start_exchange([(x, after)], [(out, before)], g)
+    return out, start_pairs([(x, after)], [(out, before)], g)
 
 
-def _travel(
-    copies: dict[str, Tensor], step: int, plan: _Plan
-) -> tuple[dict[str, Tensor], _comm.Exchange]:
+def _travel(copies: dict[str, Tensor], step: int, plan: _Plan) -> tuple[dict[str, Tensor], Pairs]:
     """Start the ``step``-th shift of the travelling copies, both directions at once: the
     ``"right"`` copy to rank + 1 (a new one arrives from rank - 1), the ``"left"`` copy to
     rank - 1 while it still has steps to go. Returns the arriving copies and the exchange."""
@@ -116,7 +115,7 @@ def _travel(
         landed[side] = torch.empty_like(buf)
         sends.append((buf, to))
         recvs.append((landed[side], source))
-    return landed, _comm.start_exchange(sends, recvs, g)
+    return landed, start_pairs(sends, recvs, g)
 
 
 def _chunk_logits(a: Tensor, k: Tensor, scale: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
@@ -228,7 +227,7 @@ def _reduce_backward(
                 home = torch.empty(width, dim, dtype=k.dtype, device=k.device)
                 sends.append((copies[side][:, dim:].contiguous(), plan.owner(side, steps)))
                 recvs.append((home, plan.owner("left" if side == "right" else "right", steps)))
-        _comm.start_exchange(sends, recvs, g).wait()
+        start_pairs(sends, recvs, g).wait()
         for home, _ in recvs:
             dk = dk + home[: len(k)]
     return sums[0], dk.contiguous(), sums[1], sums[2]
@@ -239,9 +238,9 @@ class _RingReduce(torch.autograd.Function):
     def forward(  # type: ignore[override]
         ctx: FunctionCtx, a: Tensor, k: Tensor, scale: Tensor, bias: Tensor, plan: _Plan
     ) -> Tensor:
-        if _ops.traced(plan.group):
+        if traced(plan.group):
             out: Tensor = torch.ops.distgrad.ring_reduce(
-                a, k, scale, bias, *plan.args(), _ops.order_token(a)
+                a, k, scale, bias, *plan.args(), order_token(a)
             )
         else:
             out = _reduce_forward(a, k, scale, bias, plan)
@@ -254,9 +253,9 @@ class _RingReduce(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         a, k, scale, bias, out = ctx.saved_tensors
         plan: _Plan = ctx.plan
-        if _ops.traced(plan.group):
+        if traced(plan.group):
             grads = torch.ops.distgrad.ring_reduce_backward(
-                a, k, scale, bias, out, grad, *plan.args(), _ops.order_token(a)
+                a, k, scale, bias, out, grad, *plan.args(), order_token(a)
             )
         else:
             grads = _reduce_backward(a, k, scale, bias, out, grad, plan)
@@ -355,10 +354,8 @@ class _RingClip(torch.autograd.Function):
     def forward(  # type: ignore[override]
         ctx: FunctionCtx, x: Tensor, y: Tensor, scale: Tensor, plan: _Plan
     ) -> tuple[Tensor, Tensor]:
-        if _ops.traced(plan.group):
-            row, col_lse = torch.ops.distgrad.ring_clip(
-                x, y, scale, *plan.args(), _ops.order_token(x)
-            )
+        if traced(plan.group):
+            row, col_lse = torch.ops.distgrad.ring_clip(x, y, scale, *plan.args(), order_token(x))
         else:
             row, col_lse = _clip_forward(x, y, scale, plan)
         ctx.save_for_backward(x, y, scale, row, col_lse)
@@ -370,9 +367,9 @@ class _RingClip(torch.autograd.Function):
     def backward(ctx: Any, g_row: Tensor, g_col: Tensor) -> tuple[Tensor | None, ...]:
         x, y, scale, row, col_lse = ctx.saved_tensors
         plan: _Plan = ctx.plan
-        if _ops.traced(plan.group):
+        if traced(plan.group):
             grads = torch.ops.distgrad.ring_clip_backward(
-                x, y, scale, row, col_lse, g_row, g_col, *plan.args(), _ops.order_token(x)
+                x, y, scale, row, col_lse, g_row, g_col, *plan.args(), order_token(x)
             )
         else:
             grads = _clip_backward(x, y, scale, row, col_lse, g_row, g_col, plan)
@@ -406,9 +403,9 @@ def ring_clip(
     return row, col
 
 
-# The ring's passes as torch.library custom ops, for torch.compile (see distgrad._ops: the same
-# code runs, as one opaque node whose fake kernel gives the output shapes; the token keeps
-# every rank's exchanges in program order).
+# The ring's passes as torch.library custom ops, for torch.compile (see
+# distgrad._exchange.declare: the same code runs, as one opaque node whose fake kernel gives the
+# output shapes; the token keeps every rank's exchanges in program order).
 
 
 @op("ring_reduce")

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 
 from torch import Tensor
 
-from distgrad import _ops
-from distgrad._group import Group
+from distgrad._exchange import ops
+from distgrad._exchange.group import Group
 from distgrad.collectives._signature import Signature, assume_alike, sizes_from
 
 __all__ = ["batch_sizes", "global_mean", "global_mean_of"]
@@ -66,7 +66,7 @@ def global_mean(local_sum: Tensor, count: int, group: Group) -> Tensor:
     """The global mean of per-row losses as the value; world_size times the local share's
     gradient as the gradient (see the module docstring)."""
     share = local_sum * (group.size / count)
-    total = _ops.all_reduce(local_sum.detach().reshape(1), "sum", group).reshape(())
+    total = ops.all_reduce(local_sum.detach().reshape(1), "sum", group).reshape(())
     return share + (total / count - share).detach()
 
 

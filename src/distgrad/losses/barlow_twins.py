@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from distgrad._group import resolve
+from distgrad._exchange.group import resolve
 from distgrad._mesh import GroupLike
 from distgrad.collectives.all_reduce import apply_all_reduce
 from distgrad.losses._global import batch_sizes

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import FunctionCtx
 
-from distgrad._group import Group, resolve
+from distgrad._exchange.group import Group, resolve
 from distgrad._mesh import GroupLike
 from distgrad.collectives._signature import checks_this_call
 from distgrad.collectives.all_gather import apply_all_gather

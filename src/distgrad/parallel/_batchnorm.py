@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from distgrad._group import ProcessGroup, resolve
+from distgrad._exchange.group import ProcessGroup, resolve
 from distgrad._mesh import GroupLike
 from distgrad.collectives.all_gather import all_gather
 from distgrad.errors import CollectiveArgumentError

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from distgrad._group import ProcessGroup
+from distgrad._exchange.group import ProcessGroup
 from distgrad._mesh import GroupLike, process_group, refuse_dtensors
 from distgrad.errors import CollectiveArgumentError
 

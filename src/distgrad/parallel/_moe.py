@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from distgrad._group import Group, ProcessGroup, resolve
+from distgrad._exchange.group import Group, ProcessGroup, resolve
 from distgrad._mesh import GroupLike
 from distgrad.collectives._common import near_even
 from distgrad.collectives.all_gather import all_gather

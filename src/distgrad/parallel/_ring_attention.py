@@ -39,8 +39,8 @@ import torch
 from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from distgrad import _ops
-from distgrad._group import Group, resolve
+from distgrad._exchange.declare import group_named, order_token, traced
+from distgrad._exchange.group import Group, resolve
 from distgrad._library import op
 from distgrad._mesh import GroupLike
 from distgrad.collectives.all_gather import all_gather
@@ -67,7 +67,7 @@ class _Plan:
 
     @staticmethod
     def of(sizes: list[int], causal: bool, scale: float, group: str) -> _Plan:
-        return _Plan(_ops.group_named(group), tuple(sizes), causal, scale)
+        return _Plan(group_named(group), tuple(sizes), causal, scale)
 
     @property
     def ring(self) -> list[int]:
@@ -218,8 +218,8 @@ def _backward(
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: FunctionCtx, q: Tensor, k: Tensor, v: Tensor, plan: _Plan) -> Tensor:
-        if _ops.traced(plan.group):  # one opaque node for torch.compile, as distgrad's ops
-            out, lse = torch.ops.distgrad.ring_attention(q, k, v, *plan.args(), _ops.order_token(q))
+        if traced(plan.group):  # one opaque node for torch.compile, as distgrad's ops
+            out, lse = torch.ops.distgrad.ring_attention(q, k, v, *plan.args(), order_token(q))
         else:
             out, lse = _forward(q, k, v, plan)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -232,9 +232,9 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         plan: _Plan = ctx.plan
         dout = dout.contiguous()
-        if _ops.traced(plan.group):
+        if traced(plan.group):
             dq, dk, dv = torch.ops.distgrad.ring_attention_backward(
-                q, k, v, out, lse, dout, *plan.args(), _ops.order_token(q)
+                q, k, v, out, lse, dout, *plan.args(), order_token(q)
             )
         else:
             dq, dk, dv = _backward(q, k, v, out, lse, dout, plan)
@@ -243,7 +243,7 @@ class _RingAttention(torch.autograd.Function):
 
 # The passes as torch.library custom ops, for torch.compile: the same code runs, as one node
 # whose fake kernel gives the output shapes; the token keeps every rank's exchanges in
-# program order (distgrad._ops).
+# program order (distgrad._exchange.declare).
 
 
 @op("ring_attention")

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import FunctionCtx
 
-from distgrad._group import ProcessGroup, resolve
+from distgrad._exchange.group import ProcessGroup, resolve
 from distgrad._mesh import GroupLike
 from distgrad.collectives._common import near_even
 from distgrad.collectives.all_gather import all_gather, reduce_scatter

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from distgrad._meta import set_debug
+from distgrad._exchange.handshake import set_debug
 from distgrad.collectives._common import near_even
 from distgrad.errors import CheckArgumentError, NotALossError
 from distgrad.testing._report import Combine, GradReport, RunResult, build_report
