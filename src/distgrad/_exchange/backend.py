@@ -159,7 +159,7 @@ def use_gloo_all_gather(piece: Tensor, sizes: Sequence[int]) -> bool:
     return (
         piece.dtype in GLOO_COLLECTIVE_DTYPES
         and nbytes(piece) < GLOO_COLLECTIVE_BELOW_BYTES
-        and all(s == sizes[0] for s in sizes)
+        and sizes.count(sizes[0]) == len(sizes)
     )
 
 

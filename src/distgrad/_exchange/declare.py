@@ -87,6 +87,9 @@ def _token_on(device: str) -> Tensor:
     return found
 
 
+_is_compiling = torch.compiler.is_compiling
+
+
 def traced(group: Group) -> bool:
     """Whether to emit a custom op: while compiling, for a real group (alone is plain torch)."""
     return group.pg is not None and torch.compiler.is_compiling()
@@ -138,12 +141,12 @@ class Exchange:
 
     def __call__(self, x: Tensor | None, *passed: Any) -> Tensor:
         *args, group = passed
-        if traced(group):
+        if group.pg is not None and _is_compiling():  # traced(group), inline: every call
             token = order_token(x if x is not None else args[-1])  # scatter: its device
             custom = getattr(torch.ops.distgrad, self.name)
             out: Tensor = custom(x, *map(_listed, args), group.rank, group.name, token)
             return out
-        if x is not None:
+        if x is not None and type(x) is not Tensor:
             x = resolved(x)
         if deferring():
             shape, dtype, device = self.meta(x, *args, group.rank)

@@ -190,18 +190,19 @@ def wait_collective(work: Any, group: Group, what: What = None, doing: str | Non
     """Wait for a collective started with ``async_op=True`` on a gloo group, in ticks;
     ``what`` and ``doing`` describe the call in errors (:func:`annotate`)."""
     start = time.monotonic()
+    # The first tick alone, with nothing made for a long wait: most exchanges end within it.
+    # The expired tick's exception is not kept: its traceback would hold this frame, and with
+    # it ``work`` and the output tensor it references, until the garbage collector runs;
+    # AccumulateGrad then copies a gradient whose memory something else holds (measured: a
+    # 64 MB all_reduce backward 205-220 ms against 138 ms).
+    try:
+        work.wait(_TICK)
+        return
+    except RuntimeError:
+        pass
     note = _LongWait(group, what, start)
     try:
         while True:
-            # The expired tick's exception is not kept: its traceback would hold this frame,
-            # and with it ``work`` and the output tensor it references, until the garbage
-            # collector runs; AccumulateGrad then copies a gradient whose memory something
-            # else holds (measured: a 64 MB all_reduce backward 205-220 ms against 138 ms).
-            try:
-                work.wait(_TICK)
-                return
-            except RuntimeError:
-                pass
             if work.is_completed():  # its own error, or it finished as the tick expired
                 try:
                     work.wait()
@@ -212,6 +213,11 @@ def wait_collective(work: Any, group: Group, what: What = None, doing: str | Non
             if dead is not None:
                 raise annotate(dead[1], group, [dead[0]], start, what, doing) from None
             note.tick()
+            try:
+                work.wait(_TICK)
+                return
+            except RuntimeError:
+                pass
     finally:
         note.end()
 

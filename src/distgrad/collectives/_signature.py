@@ -83,6 +83,49 @@ def _forget_calls(groups: list[Group], world_gone: bool) -> None:
 on_forget(_forget_calls)
 
 
+# The lean path's memory (Signature.bind): by call shape, what that call's checks made (its
+# group, its description, its checked values). Why it is sound: every local check reads only
+# the group, the op's arguments and the tensor's type, shape, dtype, device and requires_grad
+# (with grad mode), which make the key; a call past the checked calls makes no check across
+# ranks. Why it matters: the checks are about a third of an eager call's Python (measured:
+# bind alone 4.4 us of a 32 KB all_reduce's 59 us forward on 2 gloo ranks). Forgotten with the
+# groups (a destroyed group's calls must not come back), bounded by _LEAN_MAX.
+_LEAN: dict[tuple[Any, ...], tuple[Group, str, Mapping[str, Any]]] = {}
+_LEAN_MAX = 4096
+_is_compiling = torch.compiler.is_compiling
+
+
+def _lean_key(signature: Signature, group: object, x: object, passed: dict[str, Any]) -> Any:
+    """The call shape of a call, or None where it cannot be a key (a tensor subclass, an
+    argument that cannot be hashed)."""
+    if type(x) is not Tensor:
+        return None
+    assert isinstance(x, Tensor)
+    values = tuple(tuple(v) if type(v) is list else v for v in passed.values())
+    key = (
+        id(signature),
+        group,
+        x.shape,
+        x.dtype,
+        x.device,
+        x.requires_grad,
+        torch.is_grad_enabled(),
+        values,
+    )
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _forget_lean(groups: list[Group], world_gone: bool) -> None:
+    _LEAN.clear()
+
+
+on_forget(_forget_lean)
+
+
 def calls_so_far(group: Group) -> int:
     """How many checked-or-not distgrad calls this process has made on ``group``."""
     return _calls.get((id(group.pg), group.name), 0)
@@ -169,7 +212,23 @@ class Signature:
         call against the declaration; raise for any problem, on every rank that exchanged.
 
         ``passed``: every declared argument, by its name, as the caller passed it.
+
+        The lean path: a call whose every check passed before, with the same group, the same
+        tensor metadata and the same arguments (its *call shape*), past the checked calls and
+        outside debug mode and ``torch.compile``, reuses what that call's checks made, and only
+        counts and notes the call (``_LEAN``).
         """
+        key = None
+        if not _is_compiling():
+            key = _lean_key(self, group, x, passed)
+            if key is not None and (hit := _LEAN.get(key)) is not None:
+                g, desc, values = hit
+                count_key = (id(g.pg), g.name)
+                call = _calls.get(count_key, 0)
+                if call >= CHECKED_CALLS and not debug_enabled():
+                    _calls[count_key] = call + 1
+                    note_call(desc, call, g)
+                    return Bound(g, desc, None, values)
         g = resolve(group, self.op)
         arguments, typed_lists = self._arguments, self._typed_lists
         assert len(passed) == len(arguments) == len(self.fields) + len(self.lists), self.op
@@ -193,6 +252,10 @@ class Signature:
             dim=args.dim,
             sizes_known=all(f.known(passed) for f in typed_lists),
         )
+        if key is not None and calls is None and checked is g and problem is None:
+            if len(_LEAN) >= _LEAN_MAX:  # a program of ever-new call shapes: start over
+                _LEAN.clear()
+            _LEAN[key] = (g, desc, values)
         return Bound(checked, desc, calls, values)
 
     def describe(self, passed: Mapping[str, Any]) -> str:
