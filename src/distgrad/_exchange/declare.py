@@ -38,7 +38,7 @@ import torch.distributed.distributed_c10d as c10d
 from torch import Tensor
 
 from distgrad._exchange.async_op import deferring, resolved, started
-from distgrad._exchange.group import Group, resolve
+from distgrad._exchange.group import Group, on_forget, resolve
 from distgrad._exchange.inflight import ExchangeOp, Steps
 from distgrad._library import define
 
@@ -97,9 +97,24 @@ def traced(group: Group) -> bool:
 
 def group_named(name: str) -> Group:
     """The group a custom op names (its registered name, as torch's functional collectives)."""
-    # torch's own registry of groups by name, which its functional collectives use too.
-    found = c10d._resolve_process_group(name)  # type: ignore[attr-defined,arg-type]
-    return resolve(found)
+    found = _named.get(name)
+    if found is None:
+        # torch's own registry of groups by name, which its functional collectives use too.
+        pg = c10d._resolve_process_group(name)  # type: ignore[attr-defined,arg-type]
+        found = _named[name] = resolve(pg)
+    return found
+
+
+# Groups by registered name, for the custom ops' kernels (every exchange of a compiled step
+# looks its group up): forgotten with the groups, since torch reuses names after a destroy.
+_named: dict[str, Group] = {}
+
+
+def _forget_named(groups: list[Group], world_gone: bool) -> None:
+    _named.clear()
+
+
+on_forget(_forget_named)
 
 
 # What an exchange's output is, from its arguments: (shape, dtype, device).
