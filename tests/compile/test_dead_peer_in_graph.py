@@ -46,6 +46,7 @@ def _killed_during_a_compiled_step(rank: int, world_size: int) -> tuple[float, s
     return time.time() - died, str(info.value).splitlines()[0]
 
 
+@pytest.mark.slow  # 6-8 s: in CI's slow part (.ci/run)
 def test_a_peer_killed_during_a_compiled_step_is_named_within_a_second() -> None:
     with pytest.raises(RankFailedError) as failure:
         run_on_ranks(_killed_during_a_compiled_step, 2, timeout=120, collective_timeout=30)

@@ -36,6 +36,7 @@ def _times_out_then_goes_on(rank: int, world_size: int) -> str:
     return str(info.value).splitlines()[0]
 
 
+@pytest.mark.slow  # 6-8 s: in CI's slow part (.ci/run)
 def test_a_peer_that_timed_out_long_ago_is_described_at_that_call() -> None:
     first = run_on_ranks(
         _times_out_then_goes_on, 2, timeout=60, collective_timeout=30, grace=LONG_S + 5
