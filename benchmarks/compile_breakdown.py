@@ -1,6 +1,7 @@
 """Where a compiled step's CPU goes: distgrad eager, distgrad compiled and funcol compiled.
 
-One forward+backward of a 32 KB all_gather per rank (float32, (64, 128)) on 2 gloo ranks, past
+One forward+backward of a 32 KB all_gather (or, with ``--op all_to_all``, all_to_all) per rank
+(float32, (64, 128)) on 2 gloo ranks, past
 distgrad's checked calls. For each variant: the calling thread's CPU time per step over
 ``--steps`` steps, then the same steps under ``cProfile`` on the thread's CPU clock, each
 function's own time put in one bucket by its file (dynamo, AOTAutograd, inductor's code, custom
@@ -8,8 +9,8 @@ op dispatch, distgrad's exchange, c10d, the autograd engine, tensor operations, 
 profile's shares are of the profiled time (the profiler slows small calls more than large
 ones: read them as proportions, not microseconds).
 
-Run: ``python benchmarks/compile_breakdown.py [--steps 300]``; writes
-``benchmarks/results/compile_breakdown.md``.
+Run: ``python benchmarks/compile_breakdown.py [--steps 300] [--op all_to_all]``; writes
+``benchmarks/results/compile_breakdown.md`` (all_gather) or ``compile_breakdown_<op>.md``.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def _bucket(where: str) -> str:
     return "other"
 
 
-def _measure(rank: int, world_size: int, steps: int) -> dict[str, Any]:
+def _measure(rank: int, world_size: int, steps: int, op: str) -> dict[str, Any]:
     warnings.filterwarnings("ignore")
     torch._inductor.config.compile_threads = 1
     for _ in range(CHECKED_CALLS):
@@ -64,19 +65,24 @@ def _measure(rank: int, world_size: int, steps: int) -> dict[str, Any]:
     world = dist.group.WORLD
     assert world is not None
     x = torch.randn(ROWS, COLUMNS, requires_grad=True)
-    v = torch.randn(ROWS * world_size, COLUMNS)
     sizes = [ROWS] * world_size
+    split = [ROWS // world_size] * world_size
+    v = torch.randn(ROWS * world_size if op == "all_gather" else ROWS, COLUMNS)
 
-    def gather(x: torch.Tensor) -> torch.Tensor:
+    def ours(x: torch.Tensor) -> torch.Tensor:
+        if op == "all_to_all":
+            return dg.all_to_all(x, input_sizes=split, output_sizes=split)
         return dg.all_gather(x, sizes=sizes)
 
-    def funcol_gather(x: torch.Tensor) -> torch.Tensor:
+    def theirs(x: torch.Tensor) -> torch.Tensor:
+        if op == "all_to_all":
+            return funcol.all_to_all_single_autograd(x, None, None, world)
         return funcol.all_gather_tensor_autograd(x, 0, world)
 
     variants: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-        "distgrad eager": gather,
-        "distgrad compiled": torch.compile(gather, fullgraph=True, dynamic=False),
-        "funcol compiled": torch.compile(funcol_gather, fullgraph=True, dynamic=False),
+        "distgrad eager": ours,
+        "distgrad compiled": torch.compile(ours, fullgraph=True, dynamic=False),
+        "funcol compiled": torch.compile(theirs, fullgraph=True, dynamic=False),
     }
 
     def step(fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -110,15 +116,20 @@ def _measure(rank: int, world_size: int, steps: int) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--op", choices=("all_gather", "all_to_all"), default="all_gather")
     args = parser.parse_args()
-    results = run_on_ranks(_measure, 2, args=(args.steps,), timeout=900)[0]
+    results = run_on_ranks(_measure, 2, args=(args.steps, args.op), timeout=900)[0]
+    out = (
+        RESULTS if args.op == "all_gather" else RESULTS.with_name(f"compile_breakdown_{args.op}.md")
+    )
     names = list(results)
     buckets = [name for name, _ in BUCKETS] + ["other"]
     lines = [
-        "# Where a compiled step's CPU goes (2 gloo ranks, 32 KB all_gather, forward+backward)",
+        f"# Where a compiled step's CPU goes (2 gloo ranks, 32 KB {args.op}, forward+backward)",
         "",
         f"Measured {datetime.date.today()} with torch {torch.__version__} by "
-        f"`python benchmarks/compile_breakdown.py --steps {args.steps}` (rank 0's calling "
+        f"`python benchmarks/compile_breakdown.py --steps {args.steps} --op {args.op}` (rank 0's "
+        "calling "
         "thread). CPU per step is measured without the profiler; the shares come from a second "
         "pass under cProfile on the thread's CPU clock (see the script's docstring).",
         "",
@@ -129,8 +140,8 @@ def main() -> None:
     for bucket in buckets:
         shares = [results[n]["shares"].get(bucket, 0.0) for n in names]
         lines.append(f"| {bucket} | " + " | ".join(f"{s:.0%}" for s in shares) + " |")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text("\n".join(lines) + "\n")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
