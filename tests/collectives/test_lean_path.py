@@ -55,3 +55,15 @@ def _forgotten(rank: int, world_size: int) -> float:
 
 def test_a_destroyed_group_call_shapes_are_forgotten() -> None:
     assert run_on_ranks(_forgotten, 2) == [3.0, 3.0]
+
+
+def _alone(rank: int, world_size: int) -> None:
+    x = torch.arange(6.0).view(3, 2)
+    for _ in range(3):  # a group of one: the checks of a seen call shape are reused at once
+        assert torch.equal(dg.all_to_all(x, input_sizes=[3], output_sizes=[3]), x)
+    with pytest.raises(CollectiveArgumentError, match="input_sizes"):
+        dg.all_to_all(x, input_sizes=[2], output_sizes=[3])  # a new call shape: checked
+
+
+def test_a_group_of_one_reuses_a_call_shape_checks_too() -> None:
+    run_on_ranks(_alone, 1)
