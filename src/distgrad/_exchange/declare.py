@@ -34,11 +34,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed.distributed_c10d as c10d
 from torch import Tensor
 
 from distgrad._exchange.async_op import deferring, resolved, started
-from distgrad._exchange.group import Group, on_forget, resolve
+from distgrad._exchange.group import Group, resolve_named
 from distgrad._exchange.inflight import ExchangeOp, Steps
 from distgrad._library import define
 
@@ -46,7 +45,6 @@ __all__ = [
     "Exchange",
     "Meta",
     "exchange",
-    "group_named",
     "like",
     "no_rows",
     "order_token",
@@ -93,28 +91,6 @@ _is_compiling = torch.compiler.is_compiling
 def traced(group: Group) -> bool:
     """Whether to emit a custom op: while compiling, for a real group (alone is plain torch)."""
     return group.pg is not None and torch.compiler.is_compiling()
-
-
-def group_named(name: str) -> Group:
-    """The group a custom op names (its registered name, as torch's functional collectives)."""
-    found = _named.get(name)
-    if found is None:
-        # torch's own registry of groups by name, which its functional collectives use too.
-        pg = c10d._resolve_process_group(name)  # type: ignore[attr-defined,arg-type]
-        found = _named[name] = resolve(pg)
-    return found
-
-
-# Groups by registered name, for the custom ops' kernels (every exchange of a compiled step
-# looks its group up): forgotten with the groups, since torch reuses names after a destroy.
-_named: dict[str, Group] = {}
-
-
-def _forget_named(groups: list[Group], world_gone: bool) -> None:
-    _named.clear()
-
-
-on_forget(_forget_named)
 
 
 # What an exchange's output is, from its arguments: (shape, dtype, device).
@@ -184,7 +160,7 @@ class Exchange:
 
     def _kernel(self, x: Tensor | None, *passed: Any) -> Tensor:
         *args, _rank, group, _token = passed
-        out = self._result(self.run(x, *args, group_named(group)), x)
+        out = self._result(self.run(x, *args, resolve_named(group)), x)
         # A custom op's output may share memory with nothing the caller can see: a view of a
         # receive buffer (scatter's slice) is copied; it is the buffer's only view, so cheaply.
         return out if out._base is None else out.clone()

@@ -48,8 +48,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from distgrad._exchange.declare import group_named, order_token, traced
-from distgrad._exchange.group import Group
+from distgrad._exchange.declare import order_token, traced
+from distgrad._exchange.group import Group, resolve_named
 from distgrad._exchange.pairs import Pairs, start_pairs
 from distgrad._library import op
 
@@ -90,7 +90,7 @@ class _Plan:
 
     @staticmethod
     def of(rows: list[int], block: int, kind: str, mask_self: bool, group: str) -> _Plan:
-        return _Plan(group_named(group), tuple(rows), block, kind, mask_self)
+        return _Plan(resolve_named(group), tuple(rows), block, kind, mask_self)
 
 
 def _shift(x: Tensor, g: Group) -> tuple[Tensor, Pairs]:

@@ -39,8 +39,8 @@ import torch
 from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from distgrad._exchange.declare import group_named, order_token, traced
-from distgrad._exchange.group import Group, resolve
+from distgrad._exchange.declare import order_token, traced
+from distgrad._exchange.group import Group, resolve, resolve_named
 from distgrad._library import op
 from distgrad._mesh import GroupLike
 from distgrad.collectives.all_gather import all_gather
@@ -67,7 +67,7 @@ class _Plan:
 
     @staticmethod
     def of(sizes: list[int], causal: bool, scale: float, group: str) -> _Plan:
-        return _Plan(group_named(group), tuple(sizes), causal, scale)
+        return _Plan(resolve_named(group), tuple(sizes), causal, scale)
 
     @property
     def ring(self) -> list[int]:
