@@ -13,7 +13,7 @@ rank's, from a barrier until its outputs are readable. Variants:
   the leanest code a torch user writes by hand. **Every ratio is against it**, in the same
   round.
 * floor: the raw, non-differentiable communication that forward+backward needs, done the
-  cheapest way we know: distgrad's own raw functions (``distgrad._comm``), which on gloo run
+  cheapest way we know: distgrad's own raw functions (``distgrad._exchange.ops``), which on gloo run
   all_gather, reduce-scatter and all_to_all as concurrent point-to-point pairs above 256 KB
   per rank, and gloo's collectives below.
 * distgrad: this library past the calls it checks across ranks (the first 8 on a group), with

@@ -1,6 +1,6 @@
 """Which exchange to use on gloo, per op, size and world size: the raw candidates, paired.
 
-distgrad picks one exchange for each raw op on gloo (``distgrad._comm``); this benchmark
+distgrad picks one exchange for each raw op on gloo (``distgrad._exchange``); this benchmark
 measures the candidates it chose between, without autograd, in the same processes and rounds:
 
 * reduce-scatter (sum, equal slices): gloo's all_to_all and a local sum (what distgrad runs at

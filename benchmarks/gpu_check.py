@@ -875,9 +875,10 @@ def _peak(
 
 
 def _guard_rows(rank: int, n: int, device: str) -> list[tuple[str, str]]:
-    """The data guard (distgrad._guard) on this device: guarded exchanges of every kind under
-    the strictest sync debug mode, then a mismatched tag, which on CUDA must be raised at the
-    next guarded call and not before (no host synchronisation), and on CPU at once."""
+    """The data guard (distgrad._exchange.guard) on this device: guarded exchanges of every
+    kind under the strictest sync debug mode, then a mismatched tag, which on CUDA must be
+    raised at the next guarded call and not before (no host synchronisation), and on CPU at
+    once."""
     where = _bind(rank, device)
     dg.set_guard(True)  # opt-in
     group = resolve(None, "gpu_check")

@@ -4,7 +4,7 @@ Every ``group=`` in distgrad accepts what ``torch.distributed._functional_collec
 of a mesh: a ``ProcessGroup``; a 1-D ``DeviceMesh`` (``mesh["tp"]``); a pair ``(mesh, dim)``
 whose dim is an index or one of ``mesh.mesh_dim_names``; or ``None`` (the default group).
 :func:`process_group` turns a mesh form into the ``ProcessGroup`` of this rank's slice of the
-mesh along that dim, the group ``mesh.get_group(dim)`` returns; ``distgrad._group.resolve``
+mesh along that dim, the group ``mesh.get_group(dim)`` returns; ``distgrad._exchange.group.resolve``
 calls it for anything that is not a ``ProcessGroup``, so a process group costs nothing more.
 
 A DTensor passed where distgrad communicates a tensor is refused (:func:`dtensor_problem`)

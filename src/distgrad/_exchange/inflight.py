@@ -116,7 +116,7 @@ class Started:
 
 def _settle_at_exit() -> None:
     """Let the backend's threads finish releasing the last works while the interpreter can
-    still give them the GIL (``_group.settle_backend_threads``): a thread that asks for it once
+    still give them the GIL (``group.settle_backend_threads``): a thread that asks for it once
     finalising has begun is made to exit inside a C++ destructor ("terminate called without an
     active exception"), and the process aborts. Only a process that ran a collective since the
     last settle (``destroy_process_group`` settles), or still has a process group (DDP's works
@@ -152,11 +152,7 @@ def _through_host(steps: Steps[Tensor | None], device: torch.device) -> Steps[Te
 
 
 # ---------------------------------------------------------------------------------------------
-# Steps: every op is written once, as a generator that starts its one exchange, yields it, and
-# finishes (the copies, the guard's check) when resumed. The blocking call drives it through at
-# once; ``op.start(...)`` runs it up to the exchange and returns a :class:`Pending` that finishes
-# it later (``async_op=True``). The exchange is started on the calling thread, in call order, so
-# collectives stay in the same order on every rank whatever the caller does in between.
+# Steps (the module's docstring says how they run).
 
 
 class _Waitable(Protocol):

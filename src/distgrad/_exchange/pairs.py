@@ -31,7 +31,7 @@ P2P_TAG = 0x6467
 class Pairs:
     """Point-to-point sends and receives in flight; :meth:`wait` finishes them all.
 
-    Started by :func:`start_pairs`. Waiting goes through ``distgrad._wait``, so a peer that
+    Started by :func:`start_pairs`. Waiting goes through ``distgrad._exchange.wait``, so a peer that
     dies during the exchange is an error naming it within tens of milliseconds.
     """
 

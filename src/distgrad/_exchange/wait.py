@@ -23,13 +23,13 @@ So distgrad never blocks on such an operation without a way out:
   0.1 ms, 20% of a 128 KB exchange on 2 busy cores). On more ranks a peer can be alive and
   never come (it stopped at its own error when a third rank died), which only a watched wait
   sees: its ticks name the dead rank.
-* At each tick, the waiting thread polls distgrad's liveness connections to the peers it waits
-  on (``distgrad._alive``): sockets the kernel resets when a peer's process dies, however it
-  dies. So a dead peer is named within a tick or two even when the operation in flight would
-  wait forever. No thread watches, and nothing pending is tied to a group: a destroyed group
-  and an exiting interpreter leave no distgrad thread blocked in native code. (The helper
-  thread of a large exchange whose peer died is the one exception: gloo offers no way to
-  release it; it returns at the group's timeout.)
+* At each tick, the waiting thread polls distgrad's liveness connections to the group's
+  other ranks (``distgrad._exchange.alive``): sockets the kernel resets when a peer's process
+  dies, however it dies. So a dead peer is named within a tick or two even when the operation
+  in flight would wait forever. No thread watches, and nothing pending is tied to a group: a
+  destroyed group and an exiting interpreter leave no distgrad thread blocked in native code.
+  (The helper thread of a large exchange whose peer died is the one exception: gloo offers no
+  way to release it; it returns at the group's timeout.)
 
 When an exchange fails, the error keeps gloo's own type and text and starts with distgrad's
 account: which rank, which op, which pass, which peer. On a timeout, every rank that times out
@@ -152,7 +152,7 @@ def _op_of(node: Any) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# Dead peers, seen through distgrad's own liveness sockets (distgrad._alive).
+# Dead peers, seen through distgrad's own liveness sockets (distgrad._exchange.alive).
 
 
 def _dead_peer(

@@ -8,7 +8,7 @@ message (``reduce(dst=0, op='sum')``), decides whether this call exchanges metad
 does, checks every rank's call against the declaration, so every op body is the few lines of
 its work.
 
-When a call exchanges metadata (``distgrad._meta``):
+When a call exchanges metadata (``distgrad._exchange.handshake``):
 
 * the first :data:`CHECKED_CALLS` calls on each group. Every rank counts its own calls, so the
   ranks agree on which calls these are without asking, and a mistake in the code (a shape, a
