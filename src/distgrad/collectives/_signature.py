@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import torch
 from torch import Tensor
@@ -90,19 +90,19 @@ on_forget(_forget_calls)
 # ranks. Why it matters: the checks are about a third of an eager call's Python (measured:
 # bind alone 4.4 us of a 32 KB all_reduce's 59 us forward on 2 gloo ranks). Forgotten with the
 # groups (a destroyed group's calls must not come back), bounded by _LEAN_MAX.
-_LEAN: dict[tuple[Any, ...], tuple[Group, str, Mapping[str, Any]]] = {}
+_LEAN: dict[tuple[Any, ...], Bound] = {}
 _LEAN_MAX = 4096
 _is_compiling = torch.compiler.is_compiling
 
 
 def _lean_key(signature: Signature, group: object, x: object, passed: dict[str, Any]) -> Any:
-    """The call shape of a call, or None where it cannot be a key (a tensor subclass, an
-    argument that cannot be hashed)."""
+    """The call shape of a call, or None where ``x`` is not a plain tensor (a tensor subclass).
+    (An argument that cannot be hashed makes a key that cannot be looked up: see bind.)"""
     if type(x) is not Tensor:
         return None
     assert isinstance(x, Tensor)
-    values = tuple(tuple(v) if type(v) is list else v for v in passed.values())
-    key = (
+    values = tuple([tuple(v) if type(v) is list else v for v in passed.values()])
+    return (
         id(signature),
         group,
         x.shape,
@@ -112,11 +112,6 @@ def _lean_key(signature: Signature, group: object, x: object, passed: dict[str, 
         torch.is_grad_enabled(),
         values,
     )
-    try:
-        hash(key)
-    except TypeError:
-        return None
-    return key
 
 
 def _forget_lean(groups: list[Group], world_gone: bool) -> None:
@@ -150,6 +145,7 @@ def _next_call(group: Group) -> int:
 
 
 Shapes = Literal["equal", "except_dim", "free"]
+_T = TypeVar("_T")
 
 
 @dataclass(slots=True)
@@ -162,9 +158,17 @@ class Bound:
     desc: str
     calls: list[RankCall] | None
     values: Mapping[str, Any]
+    # The op's plan for this call, kept by the op (``plan_of``): a call on the lean path gets
+    # the Bound its call shape's checks made, so a plan kept here is made once per call shape.
+    plan: Any = None
 
     def __getitem__(self, name: str) -> Any:
         return self.values[name]
+
+    def keep(self, plan: _T) -> _T:
+        """Keep ``plan`` as this call's (``plan = call.plan or call.keep(make())``)."""
+        self.plan = plan
+        return plan
 
 
 @dataclass(frozen=True)
@@ -218,19 +222,23 @@ class Signature:
         outside debug mode and ``torch.compile``, reuses what that call's checks made, and only
         counts and notes the call (``_LEAN``).
         """
-        key = None
+        key = hit = None
         if not _is_compiling():
             key = _lean_key(self, group, x, passed)
-            if key is not None and (hit := _LEAN.get(key)) is not None:
-                g, desc, values = hit
+            try:
+                hit = _LEAN.get(key)
+            except TypeError:  # an argument that cannot be hashed: no call shape
+                key = None
+            if hit is not None:
+                g = hit.group
                 if g.size == 1:  # never checked across ranks, nor counted (check())
-                    return Bound(g, desc, None, values)
+                    return hit
                 count_key = (id(g.pg), g.name)
                 call = _calls.get(count_key, 0)
                 if call >= CHECKED_CALLS and not debug_enabled():
                     _calls[count_key] = call + 1
-                    note_call(desc, call, g)
-                    return Bound(g, desc, None, values)
+                    note_call(hit.desc, call, g)
+                    return hit
         g = resolve(group, self.op)
         arguments, typed_lists = self._arguments, self._typed_lists
         assert len(passed) == len(arguments) == len(self.fields) + len(self.lists), self.op
@@ -254,11 +262,12 @@ class Signature:
             dim=args.dim,
             sizes_known=all(f.known(passed) for f in typed_lists),
         )
+        bound = Bound(checked, desc, calls, values)
         if key is not None and calls is None and checked is g and problem is None:
             if len(_LEAN) >= _LEAN_MAX:  # a program of ever-new call shapes: start over
                 _LEAN.clear()
-            _LEAN[key] = (g, desc, values)
-        return Bound(checked, desc, calls, values)
+            _LEAN[key] = bound
+        return bound
 
     def describe(self, passed: Mapping[str, Any]) -> str:
         """The call as messages name it: ``all_gather(dim=0)``, ``reduce(dst=0, op='sum')``."""

@@ -19,7 +19,7 @@ from distgrad.collectives import _common as c
 from distgrad.collectives._differentiable import Adjoint, Collective, Plan, apply
 from distgrad.collectives._fields import Choice, Dim, Reduction, Sizes
 from distgrad.collectives._reduce_slices import reduce_stacked
-from distgrad.collectives._signature import Signature, sizes_along
+from distgrad.collectives._signature import Bound, Signature, sizes_along
 from distgrad.collectives.all_to_all import apply_all_to_all
 
 __all__ = ["all_gather", "apply_all_gather", "apply_reduce_scatter", "reduce_scatter"]
@@ -46,9 +46,8 @@ class _AllGather(Collective):
 
     @staticmethod
     def run(x: Tensor, plan: _Plan) -> Tensor:
-        moved = c.as_bytes(c.to_front(x, plan.dim))
-        gathered = c.from_bytes(ops.all_gather(moved, plan.sizes, plan.group), x.dtype)
-        return c.output(c.from_front(gathered, plan.dim))
+        gathered = ops.all_gather(c.to_exchange(x, plan.dim), plan.sizes, plan.group)
+        return c.from_exchange(gathered, x.dtype, plan.dim)
 
     @staticmethod
     def adjoint(plan: _Plan) -> Adjoint:
@@ -141,9 +140,15 @@ def all_gather(
     "Overlap: async_op").
     """
     call = ALL_GATHER.bind(group, x, dim=dim, objective=objective, sizes=sizes)
+    if call.group.size == 1:
+        return x.clone()
+    return apply(_AllGather, x, call.plan or call.keep(_all_gather_plan(call, x, objective)))
+
+
+def _all_gather_plan(call: Bound, x: Tensor, objective: c.Objective) -> _Plan:
     dim = call["dim"]
-    plan_sizes = sizes_along(call, call["sizes"], c.extent(x, dim))
-    return apply_all_gather(x, call.group, plan_sizes, dim, objective)
+    sizes = sizes_along(call, call["sizes"], c.extent(x, dim))
+    return _Plan(call.group, sizes, dim, objective=objective)
 
 
 @offers_async_op
@@ -182,4 +187,7 @@ def reduce_scatter(
     "Overlap: async_op").
     """
     call = REDUCE_SCATTER.bind(group, x, op=op, dim=dim, sizes=sizes)
+    if call["op"] == "sum" and call.group.size > 1:
+        plan = call.plan or call.keep(_Plan(call.group, call["sizes"], call["dim"]))
+        return apply(_ReduceScatterSum, x, plan)
     return apply_reduce_scatter(x, call.group, call["sizes"], call["dim"], call["op"])

@@ -15,7 +15,7 @@ from distgrad._mesh import GroupLike
 from distgrad.collectives import _common as c
 from distgrad.collectives._differentiable import Adjoint, Collective, Plan, apply
 from distgrad.collectives._fields import Dim, Sizes
-from distgrad.collectives._signature import Signature
+from distgrad.collectives._signature import Bound, Signature
 from distgrad.errors import CollectiveMismatchError
 
 __all__ = ["all_to_all", "apply_all_to_all"]
@@ -48,9 +48,9 @@ class _AllToAll(Collective):
 
     @staticmethod
     def run(x: Tensor, plan: _Plan) -> Tensor:
-        moved = c.as_bytes(c.to_front(x, plan.dim))
+        moved = c.to_exchange(x, plan.dim)
         out = ops.all_to_all(moved, plan.input_sizes, plan.output_sizes, plan.group)
-        return c.output(c.from_front(c.from_bytes(out, x.dtype), plan.dim))
+        return c.from_exchange(out, x.dtype, plan.dim)
 
     @staticmethod
     def adjoint(plan: _Plan) -> Adjoint:
@@ -106,11 +106,15 @@ def all_to_all(
     call = SIGNATURE.bind(group, x, dim=dim, input_sizes=input_sizes, output_sizes=output_sizes)
     if call.group.size == 1:
         return x.clone()
+    return apply(_AllToAll, x, call.plan or call.keep(_plan(call)))
+
+
+def _plan(call: Bound) -> _Plan:
     expected = call["output_sizes"]
     if call.calls is not None:
         expected = _check_table(call.desc, call.group, call.calls)
     assert expected is not None, "a call whose output sizes are unknown exchanges metadata"
-    return apply_all_to_all(x, call.group, call["input_sizes"], expected, call["dim"])
+    return _Plan(call.group, call["input_sizes"], expected, call["dim"])
 
 
 def _check_table(desc: str, group: Group, calls: list[RankCall]) -> tuple[int, ...]:

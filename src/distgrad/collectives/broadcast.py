@@ -38,7 +38,7 @@ class _Broadcast(Collective):
     @staticmethod
     def run(x: Tensor, plan: _Plan) -> Tensor:
         out = ops.broadcast(c.as_bytes(x), plan.root, plan.group)
-        return c.output(c.from_bytes(out, x.dtype))
+        return c.from_exchange(out, x.dtype)
 
     @staticmethod
     def adjoint(plan: _Plan) -> Adjoint:
@@ -93,10 +93,10 @@ def broadcast(
     data on first use; the backward's exchange is started the same way (docs/semantics.md,
     "Overlap: async_op").
     """
-    g = BROADCAST.bind(group, x, src=src, objective=objective).group
-    if g.size == 1:
+    call = BROADCAST.bind(group, x, src=src, objective=objective)
+    if call.group.size == 1:
         return x.clone()
-    return apply(_Broadcast, x, _Plan(g, src, objective=objective))
+    return apply(_Broadcast, x, call.plan or call.keep(_Plan(call.group, src, objective=objective)))
 
 
 @offers_async_op
@@ -134,6 +134,8 @@ def reduce(
     call = REDUCE.bind(group, x, dst=dst, op=op)
     if call.group.size == 1:
         return x.clone()
+    if call["op"] == "sum":
+        return apply(_ReduceSum, x, call.plan or call.keep(_Plan(call.group, dst)))
     return _apply_reduce(x, call.group, dst, call["op"])
 
 

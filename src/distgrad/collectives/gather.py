@@ -20,7 +20,7 @@ from distgrad._mesh import GroupLike
 from distgrad.collectives import _common as c
 from distgrad.collectives._differentiable import Adjoint, Collective, Plan, apply
 from distgrad.collectives._fields import Dim, Rank, Sizes
-from distgrad.collectives._signature import Signature, sizes_along
+from distgrad.collectives._signature import Bound, Signature, sizes_along
 from distgrad.errors import CollectiveMismatchError
 
 __all__ = ["apply_gather", "gather", "scatter"]
@@ -56,9 +56,8 @@ class _Gather(Collective):
 
     @staticmethod
     def run(x: Tensor, plan: _Plan) -> Tensor:
-        moved = c.as_bytes(c.to_front(x, plan.dim))
-        out = c.from_bytes(ops.gather(moved, plan.sizes, plan.root, plan.group), x.dtype)
-        return c.output(c.from_front(out, plan.dim))  # not the destination: 0 rows along dim
+        out = ops.gather(c.to_exchange(x, plan.dim), plan.sizes, plan.root, plan.group)
+        return c.from_exchange(out, x.dtype, plan.dim)  # not the destination: 0 rows along dim
 
     @staticmethod
     def adjoint(plan: _Plan) -> Adjoint:
@@ -72,11 +71,11 @@ class _Scatter(Collective):
 
     @staticmethod
     def run(x: Tensor | None, plan: _Plan) -> Tensor:
-        moved = c.as_bytes(c.to_front(x, plan.dim)) if x is not None else None
+        moved = c.to_exchange(x, plan.dim) if x is not None else None
         trailing = c.byte_shape(plan.trailing, plan.dtype)
         dtype = torch.uint8 if trailing != plan.trailing else plan.dtype
         out = ops.scatter(moved, plan.sizes, plan.root, trailing, dtype, plan.device, plan.group)
-        return c.output(c.from_front(c.from_bytes(out, plan.dtype), plan.dim))
+        return c.from_exchange(out, plan.dtype, plan.dim)
 
     @staticmethod
     def adjoint(plan: _Plan) -> Adjoint:
@@ -89,8 +88,21 @@ def apply_gather(x: Tensor, group: Group, sizes: tuple[int, ...], dim: int, dst:
     """gather without the checks, for ops built on it (their arguments are checked)."""
     if group.size == 1:
         return x.clone()
-    trailing = tuple(s for i, s in enumerate(x.shape) if i != dim)
-    return apply(_Gather, x, _Plan(group, sizes, dim, dst, trailing, x.dtype, x.device))
+    return apply(_Gather, x, _plan(group, sizes, dim, dst, x.shape, x.dtype, x.device))
+
+
+def _plan(
+    group: Group,
+    sizes: tuple[int, ...],
+    dim: int,
+    root: int,
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> _Plan:
+    """The plan of a gather or scatter whose slices (or parts) have ``shape`` outside ``dim``."""
+    trailing = tuple(s for i, s in enumerate(shape) if i != dim)
+    return _Plan(group, sizes, dim, root, trailing, dtype, device)
 
 
 @offers_async_op
@@ -126,9 +138,15 @@ def gather(
     "Overlap: async_op").
     """
     call = GATHER.bind(group, x, dst=dst, dim=dim, sizes=sizes)
+    if call.group.size == 1:
+        return x.clone()
+    return apply(_Gather, x, call.plan or call.keep(_gather_plan(call, x, dst)))
+
+
+def _gather_plan(call: Bound, x: Tensor, dst: int) -> _Plan:
     dim = call["dim"]
-    plan_sizes = sizes_along(call, call["sizes"], c.extent(x, dim))
-    return apply_gather(x, call.group, plan_sizes, dim, dst)
+    sizes = sizes_along(call, call["sizes"], c.extent(x, dim))
+    return _plan(call.group, sizes, dim, dst, x.shape, x.dtype, x.device)
 
 
 @offers_async_op
@@ -176,8 +194,7 @@ def scatter(
         return _scatter_as_the_source_says(x, g, src, dim, call.calls, call.desc)
     is_src = g.rank == src
     assert mine is not None and isinstance(x, Tensor)
-    trailing = tuple(s for i, s in enumerate(x.shape) if i != moved_dim)
-    plan = _Plan(g, mine, moved_dim, src, trailing, x.dtype, x.device)
+    plan = call.plan or call.keep(_plan(g, mine, moved_dim, src, x.shape, x.dtype, x.device))
     if is_src:
         return apply(_Scatter, x, plan)
     # A receiver's x only describes its part, and requires grad when the source's does: as the
@@ -200,10 +217,9 @@ def _scatter_as_the_source_says(
                 f"but the source (rank {src}) splits into {list(sizes)}"
             )
     dim = dim % len(source.shape)
-    trailing = tuple(s for i, s in enumerate(source.shape) if i != dim)
     is_src = g.rank == src
     device = x.device if isinstance(x, Tensor) else metadata_device(g)
-    plan = _Plan(g, sizes, dim, src, trailing, source.dtype, device)
+    plan = _plan(g, sizes, dim, src, source.shape, source.dtype, device)
     mine = x if is_src else None
     if not is_src and isinstance(x, Tensor) and x.requires_grad:
         # A receiver's x shaped like its part is its anchor, as in unchecked calls, so that

@@ -45,7 +45,7 @@ class _Permute(Collective):
     def run(x: Tensor, plan: _Plan) -> Tensor:
         recv_shape = c.byte_shape(plan.recv_shape, x.dtype)
         out = ops.permute(c.as_bytes(x), plan.perm, recv_shape, plan.group)
-        return c.output(c.from_bytes(out, x.dtype))
+        return c.from_exchange(out, x.dtype)
 
     @staticmethod
     def adjoint(plan: _Plan) -> Adjoint:
