@@ -131,8 +131,9 @@ class Exchange:
         )
 
     def __call__(self, x: Tensor | None, *passed: Any) -> Tensor:
-        *args, group = passed
+        group = passed[-1]  # after the op's arguments
         if group.pg is not None and _is_compiling():  # traced(group), inline: every call
+            args = passed[:-1]
             token = order_token(x if x is not None else args[-1])  # scatter: its device
             custom = getattr(torch.ops.distgrad, self.name)
             out: Tensor = custom(x, *map(_listed, args), group.rank, group.name, token)
@@ -140,11 +141,11 @@ class Exchange:
         if x is not None and type(x) is not Tensor:
             x = resolved(x)
         if deferring():
-            shape, dtype, device = self.meta(x, *args, group.rank)
+            shape, dtype, device = self.meta(x, *passed[:-1], group.rank)
             like = torch.empty(tuple(shape), dtype=dtype, device="meta")
-            pending = self.run.start(x, *args, group)
+            pending = self.run.start(x, *passed)
             return started(pending, like, device, self._finisher(x))
-        out = self.run(x, *args, group)
+        out = self.run(x, *passed)
         return out if out is not None else self._result(out, x)
 
     def _result(self, out: Tensor | None, x: Tensor | None) -> Tensor:

@@ -61,7 +61,9 @@ def _gather(x: Tensor, sizes: Sequence[int], dst: int, group: Group) -> Steps[Te
             async_op=True,
         )
     else:
-        outputs = [[real(p) for p in parts]] if parts is not None else []
+        if send.is_complex():
+            parts = [real(p) for p in parts] if parts is not None else None
+        outputs = [parts] if parts is not None else []
         sent = real(send)
         opts = options(GatherOptions, rootRank=dst)
         yield begin(group, group.pg.gather, outputs, [sent], opts)

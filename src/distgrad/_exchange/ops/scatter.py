@@ -92,7 +92,7 @@ def _scatter(
     chunks = None
     if group.rank == src:
         assert x is not None
-        chunks = [pad_rows(part, width) for part in torch.split(x, list(sizes))]
+        chunks = [pad_rows(part, width) for part in x.split_with_sizes(sizes)]
     if group.is_nccl:
         yield begin(
             group,
@@ -104,7 +104,9 @@ def _scatter(
             async_op=True,
         )
     else:
-        inputs = [[real(c) for c in chunks]] if chunks is not None else []
+        if out.is_complex():
+            chunks = [real(c) for c in chunks] if chunks is not None else None
+        inputs = [chunks] if chunks is not None else []
         received = real(out)
         opts = options(ScatterOptions, rootRank=src)
         yield begin(group, group.pg.scatter, [received], inputs, opts)
