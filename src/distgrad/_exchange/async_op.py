@@ -33,6 +33,7 @@ from distgrad._exchange.inflight import Pending
 
 __all__ = ["AsyncTensor", "deferred", "deferring", "offers_async_op", "resolved", "started"]
 
+
 class _State(threading.local):
     # A class default: reading an attribute a thread never set finds it here, where
     # ``getattr(local, name, default)`` raises and catches an AttributeError (0.5 us, three

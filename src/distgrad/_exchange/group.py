@@ -46,9 +46,14 @@ class Group:
     members: tuple[int, ...] = ()
     # Whether the backend is NCCL: read several times per exchange, so made once here.
     is_nccl: bool = field(init=False, repr=False, compare=False)
+    # The group's identity as per-group state is keyed (the ProcessGroup's id and its name: a
+    # ProcessGroup takes no attributes and no weak references; the name guards against a reused
+    # id), made once here rather than on every call that counts or notes one.
+    key: tuple[int, str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "is_nccl", "nccl" in self.backend)
+        object.__setattr__(self, "key", (id(self.pg), self.name))
 
     def global_rank(self, group_rank: int) -> int:
         """The global rank of the process with rank ``group_rank`` in this group."""

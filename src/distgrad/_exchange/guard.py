@@ -122,8 +122,8 @@ _exchanges: dict[tuple[int, str], int] = {}
 
 def _forget(groups: list[Group], world_gone: bool) -> None:
     for group in groups:
-        _exchanges.pop((id(group.pg), group.name), None)
-        _pending.pop((id(group.pg), group.name), None)
+        _exchanges.pop(group.key, None)
+        _pending.pop(group.key, None)
 
 
 on_forget(_forget)
@@ -134,7 +134,7 @@ def _count(group: Group) -> int:
     checksum: a rank that skipped a call has made one exchange fewer, so the count cannot tell
     a skip from its next call; and the call site is not in it either, since ranks that make the
     same call from different lines (``if rank == 0: ... else: ...``) are right."""
-    key = (id(group.pg), group.name)
+    key = group.key
     count = _exchanges.get(key, 0)
     _exchanges[key] = count + 1
     return count
@@ -209,7 +209,7 @@ def byte_tag(
         h = zlib.crc32(what.encode())
         made = _keep(_made, key, (what, _byte_values(h, what), "bytes"))
     if not counted:
-        return Tag(made[1], made[0], _exchanges.get((id(group.pg), group.name), 1) - 1, made[2])
+        return Tag(made[1], made[0], _exchanges.get(group.key, 1) - 1, made[2])
     raise_pending(group)
     return Tag(made[1], made[0], _count(group), made[2])
 
@@ -250,7 +250,7 @@ def check(got: Tensor, tag: Tag, group: Group, ranks: int = 1) -> None:
     verdict.copy_(bad, non_blocking=True)
     landed = torch.cuda.Event()  # type: ignore[no-untyped-call]
     landed.record()
-    _pending.setdefault((id(group.pg), group.name), []).append((verdict, landed, tag))
+    _pending.setdefault(group.key, []).append((verdict, landed, tag))
 
 
 # CUDA verdicts not yet read, per group: (pinned bool, the event after its copy, the call).
@@ -260,7 +260,7 @@ _pending: dict[tuple[int, str], list[tuple[Tensor, torch.cuda.Event, Tag]]] = {}
 def raise_pending(group: Group) -> None:
     """Raise for the first queued CUDA verdict on ``group`` that has landed and says mismatch;
     drop those that landed clean. Never waits."""
-    queue = _pending.get((id(group.pg), group.name))
+    queue = _pending.get(group.key)
     while queue and queue[0][1].query():  # type: ignore[no-untyped-call]
         verdict, _, tag = queue.pop(0)
         if bool(verdict):

@@ -92,12 +92,12 @@ _last_forward: tuple[str, int, tuple[int, str]] = ("a distgrad collective", -1, 
 def note_call(desc: str, call: int, group: Group) -> None:
     """Record the forward call this rank is making (``call``: its number on ``group``)."""
     global _last_forward
-    _last_forward = (desc, call, (id(group.pg), group.name))
+    _last_forward = (desc, call, group.key)
 
 
 def _forget_last_call(groups: list[Group], world_gone: bool) -> None:
     global _last_forward
-    if any((id(g.pg), g.name) == _last_forward[2] for g in groups) or world_gone:
+    if any(g.key == _last_forward[2] for g in groups) or world_gone:
         _last_forward = ("a distgrad collective", -1, (0, ""))
 
 
@@ -133,7 +133,7 @@ def _activity(group: Group, node: Any, last: tuple[str, int, tuple[int, str]]) -
     if node is None:
         desc, call, key = last
         text = f"the forward of {desc}"
-        if call >= 0 and key == (id(group.pg), group.name):
+        if call >= 0 and key == group.key:
             text += f" (its distgrad call {call + 1} on the group)"
         return text
     text = f"the backward of {_op_of(node)}"

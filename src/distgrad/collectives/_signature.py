@@ -77,7 +77,7 @@ _calls: dict[tuple[int, str], int] = {}
 
 def _forget_calls(groups: list[Group], world_gone: bool) -> None:
     for group in groups:
-        _calls.pop((id(group.pg), group.name), None)
+        _calls.pop(group.key, None)
 
 
 on_forget(_forget_calls)
@@ -123,7 +123,7 @@ on_forget(_forget_lean)
 
 def calls_so_far(group: Group) -> int:
     """How many checked-or-not distgrad calls this process has made on ``group``."""
-    return _calls.get((id(group.pg), group.name), 0)
+    return _calls.get(group.key, 0)
 
 
 def checks_this_call(group: Group, sizes_known: bool = True) -> bool:
@@ -138,7 +138,7 @@ def checks_this_call(group: Group, sizes_known: bool = True) -> bool:
 
 
 def _next_call(group: Group) -> int:
-    key = (id(group.pg), group.name)
+    key = group.key
     count = _calls.get(key, 0)
     _calls[key] = count + 1
     return count
@@ -233,10 +233,9 @@ class Signature:
                 g = hit.group
                 if g.size == 1:  # never checked across ranks, nor counted (check())
                     return hit
-                count_key = (id(g.pg), g.name)
-                call = _calls.get(count_key, 0)
+                call = _calls.get(g.key, 0)
                 if call >= CHECKED_CALLS and not debug_enabled():
-                    _calls[count_key] = call + 1
+                    _calls[g.key] = call + 1
                     note_call(hit.desc, call, g)
                     return hit
         g = resolve(group, self.op)
