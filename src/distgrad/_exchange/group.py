@@ -85,8 +85,7 @@ def resolve(group: object, op: str = "collective") -> Group:
     if not isinstance(group, ProcessGroup):
         group = _mesh.process_group(group, op)  # a mesh form, or an error naming every form
     if torch.compiler.is_compiling():
-        # Traced once; torch.compile folds these calls into constants.
-        return _describe(group)
+        return _describe_traced(group)
     key = (id(group), group.group_name)
     found = _resolved.get(key)
     if found is None:
@@ -125,6 +124,12 @@ def _describe(pg: ProcessGroup) -> Group:
         name=pg.group_name,
         members=tuple(dist.get_process_group_ranks(pg)),
     )
+
+
+# Inside torch.compile the description is made by running _describe, not by tracing it, and
+# kept as a constant of the graph: traced, its torch calls left ~40 guards on torch.distributed's
+# functions and state to check on every call of the compiled step.
+_describe_traced = torch._dynamo.assume_constant_result(_describe)
 
 
 _NOT_A_MEMBER = (
