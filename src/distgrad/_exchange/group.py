@@ -129,7 +129,9 @@ def _describe(pg: ProcessGroup) -> Group:
 # Inside torch.compile the description is made by running _describe, not by tracing it, and
 # kept as a constant of the graph: traced, its torch calls left ~40 guards on torch.distributed's
 # functions and state to check on every call of the compiled step.
-_describe_traced = torch._dynamo.assume_constant_result(_describe)
+_describe_traced: Callable[[ProcessGroup], Group] = torch._dynamo.assume_constant_result(  # type: ignore[no-untyped-call]
+    _describe
+)
 
 
 _NOT_A_MEMBER = (
