@@ -34,11 +34,12 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import distgrad as dg
+from distgrad.collectives._signature import CHECKED_CALLS
 
-import distgrad as dg  # noqa: E402
-from benchmarks import collectives as bench  # noqa: E402
-from distgrad.collectives._signature import CHECKED_CALLS  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for benchmarks.collectives
+
+from benchmarks import collectives as bench
 
 RESULTS = Path(__file__).parent / "results" / "call_cost.md"
 ROWS = 64  # 32 KB of float32 at 128 columns
@@ -88,7 +89,9 @@ def _eager_rows() -> list[str]:
         ours = _best_us(_step(ours_fn, x))
         other = _funcol(op)
         cell = f"{_best_us(_step(other, x)):.1f} us" if other is not None else ""
-        rows.append(f"| {op} | {theirs:.1f} us | {ours:.1f} us | {ours - theirs:+.1f} us | {cell} |")
+        rows.append(
+            f"| {op} | {theirs:.1f} us | {ours:.1f} us | {ours - theirs:+.1f} us | {cell} |"
+        )
         print(rows[-1], flush=True)
     return rows
 
@@ -109,9 +112,9 @@ def _compiled_rows() -> list[str]:
             assert fn is not None
             compiled = torch.compile(fn, fullgraph=True, dynamic=False)
             cells.append(_best_us(_step(compiled, x)))
-            forward = _best_us(lambda compiled=compiled: compiled(x))
+            forward = _best_us(lambda compiled=compiled, x=x: compiled(x))
             with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-                guards.append(forward - _best_us(lambda compiled=compiled: compiled(x)))
+                guards.append(forward - _best_us(lambda compiled=compiled, x=x: compiled(x)))
         rows.append(
             f"| {op} | {cells[0]:.1f} us | {cells[1]:.1f} us | {guards[0]:.1f} us | "
             f"{guards[1]:.1f} us |"
