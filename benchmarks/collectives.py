@@ -228,6 +228,17 @@ def _floor_pair(op: str) -> tuple[Raw, Raw]:
 
 def _distgrad(op: str, n: int) -> Raw | None:
     perm = [(r + 1) % n for r in range(n)]
+    parts: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def part_like(x: torch.Tensor) -> torch.Tensor:
+        """A scatter receiver's tensor shaped like its part, made once (as torch's scatter
+        takes an output tensor): a slice of x made at every call would add a view and its
+        backward that the torch Function's receiver does not have."""
+        shape = (x.shape[0] // n, *x.shape[1:])
+        if shape not in parts:
+            parts[shape] = x.new_empty(shape).requires_grad_()
+        return parts[shape]
+
     ops: dict[str, Raw] = {
         "all_gather": lambda x: dg.all_gather(x, sizes=[x.shape[0]] * n),
         "reduce_scatter": lambda x: dg.reduce_scatter(x, sizes=[x.shape[0] // n] * n),
@@ -240,7 +251,7 @@ def _distgrad(op: str, n: int) -> Raw | None:
         "gather": lambda x: dg.gather(x, ROOT, sizes=[x.shape[0]] * n),
         # Other ranks pass a tensor shaped like the part they receive (docs of dg.scatter).
         "scatter": lambda x: dg.scatter(
-            x if dist.get_rank() == ROOT else x[: x.shape[0] // n],
+            x if dist.get_rank() == ROOT else part_like(x),
             ROOT,
             sizes=[x.shape[0] // n] * n,
         ),

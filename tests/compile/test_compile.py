@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 import distgrad as dg
@@ -150,3 +151,22 @@ def test_async_op_compiles_to_one_graph_and_matches_eager(backend: str) -> None:
         _compiled_matches_eager, 2, args=("collectives_async", backend), timeout=300
     ):
         assert found[:2] == [1, 0], found
+
+
+def _compiled_across_a_new_default_group(rank: int, n: int) -> list[float]:
+    # Inside a trace the group's description is a constant of the graph (group.py,
+    # _describe_traced): the same compiled function must still run on the default group made
+    # after the first one is destroyed, and sum there.
+    step = torch.compile(lambda x: dg.all_reduce(x), backend="aot_eager", fullgraph=True)
+    x = torch.full((2,), float(rank + 1))
+    first = float(step(x)[0])
+    store = dist.distributed_c10d._get_default_store()  # type: ignore[attr-defined]
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=n)
+    second = float(step(2 * x)[0])
+    return [first, second]
+
+
+def test_a_compiled_step_runs_on_a_default_group_made_after_the_first_is_destroyed() -> None:
+    """Semantics: sum over the ranks on each group: 1 + 2, then 2 + 4 on the new group."""
+    assert run_on_ranks(_compiled_across_a_new_default_group, 2) == [[3.0, 6.0], [3.0, 6.0]]
