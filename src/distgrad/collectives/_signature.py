@@ -158,8 +158,9 @@ class Bound:
     desc: str
     calls: list[RankCall] | None
     values: Mapping[str, Any]
-    # The op's plan for this call, kept by the op (``plan_of``): a call on the lean path gets
-    # the Bound its call shape's checks made, so a plan kept here is made once per call shape.
+    # The op's plan for this call, kept by the op (``call.plan or call.keep(make())``): a call
+    # on the lean path gets the Bound its call shape's checks made, so a plan kept here is made
+    # once per call shape.
     plan: Any = None
 
     def __getitem__(self, name: str) -> Any:
