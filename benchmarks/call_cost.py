@@ -31,7 +31,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import distgrad as dg
@@ -64,18 +63,6 @@ def _step(fn: Fn, x: torch.Tensor) -> Callable[[], object]:
     return step
 
 
-def _funcol(op: str) -> Fn | None:
-    world = dist.group.WORLD
-    assert world is not None
-    found: dict[str, Fn] = {
-        "all_gather": lambda x: funcol.all_gather_tensor_autograd(x, 0, world),
-        "reduce_scatter": lambda x: funcol.reduce_scatter_tensor_autograd(x, "sum", 0, world),
-        "all_reduce": lambda x: funcol.all_reduce(x, "sum", world),
-        "all_to_all": lambda x: funcol.all_to_all_single_autograd(x, None, None, world),
-    }
-    return found.get(op)
-
-
 def _eager_rows() -> list[str]:
     rows = [
         "| op | torch Function | distgrad | distgrad - torch | funcol |",
@@ -87,7 +74,7 @@ def _eager_rows() -> list[str]:
         ours_fn = bench._distgrad(op, WORLD)
         assert ours_fn is not None
         ours = _best_us(_step(ours_fn, x))
-        other = _funcol(op)
+        other = bench._funcol(op, WORLD)
         cell = f"{_best_us(_step(other, x)):.1f} us" if other is not None else ""
         rows.append(
             f"| {op} | {theirs:.1f} us | {ours:.1f} us | {ours - theirs:+.1f} us | {cell} |"
@@ -102,7 +89,7 @@ def _compiled_rows() -> list[str]:
         "|---|---|---|---|---|",
     ]
     for op in bench.OPS:
-        other = _funcol(op)
+        other = bench._funcol(op, WORLD)
         if other is None:
             continue
         x = bench._input(op, ROWS, 0)
