@@ -220,8 +220,8 @@ class Signature:
 
         The lean path: a call whose every check passed before, with the same group, the same
         tensor metadata and the same arguments (its *call shape*), past the checked calls and
-        outside debug mode and ``torch.compile``, reuses what that call's checks made, and only
-        counts and notes the call (``_LEAN``).
+        outside debug mode and ``torch.compile``, gets back the Bound that call's checks made
+        (with the plan its op kept on it), and only counts and notes the call (``_LEAN``).
         """
         key = hit = None
         if not _is_compiling():
