@@ -62,13 +62,14 @@ def _all_to_all(
             async_op=True,
         )
     elif x.dtype in GLOO_COLLECTIVE_DTYPES and nbytes(x) < GLOO_ALL_TO_ALL_BELOW_BYTES:
+        # The sizes as they come (tuples from a plan): the binding takes any sequence of ints.
         yield begin(
             group,
             group.pg.alltoall_base,
             out,
             x.contiguous(),
-            list(output_sizes),
-            list(input_sizes),
+            output_sizes,
+            input_sizes,
             ALL_TO_ALL_OPTIONS,
         )
     else:
