@@ -23,7 +23,6 @@ __all__ = [
     "as_bytes",
     "byte_shape",
     "extent",
-    "from_bytes",
     "from_exchange",
     "from_front",
     "near_even",
@@ -103,13 +102,6 @@ def as_bytes(x: Tensor) -> Tensor:
     return x.contiguous().unsqueeze(-1).view(torch.uint8)
 
 
-def from_bytes(y: Tensor, dtype: torch.dtype) -> Tensor:
-    """The inverse of :func:`as_bytes` for a tensor of ``dtype``."""
-    if dtype in _NATIVE:
-        return y
-    return y.view(dtype).squeeze(-1)
-
-
 def byte_shape(trailing: tuple[int, ...], dtype: torch.dtype) -> tuple[int, ...]:
     """What :func:`as_bytes` makes of a tensor of ``dtype`` whose shape ends in ``trailing``."""
     return trailing if dtype in _NATIVE else (*trailing, dtype.itemsize)
@@ -135,8 +127,8 @@ def to_exchange(x: Tensor, dim: int = 0) -> Tensor:
 
 
 def from_exchange(y: Tensor, dtype: torch.dtype, dim: int = 0) -> Tensor:
-    """``output(from_front(from_bytes(y, dtype), dim))``: an exchange's result as an op
-    returns it."""
+    """The inverse of :func:`to_exchange` for a tensor of ``dtype``, as an op returns it
+    (:func:`output`)."""
     if dtype not in _NATIVE:
         y = y.view(dtype).squeeze(-1)
     return output(y if dim == 0 else y.movedim(0, dim))
