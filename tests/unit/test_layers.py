@@ -20,8 +20,8 @@ from tests.import_graph import (
 # Bottom first. A module imports only from lower layers or from its own area (the inner
 # lists): the areas of one layer are independent of each other. Read from the real imports.
 LAYERS: Layers = [
-    # Standard library and torch only: the error tree, liveness sockets, op definitions.
-    [["distgrad.errors"], ["distgrad._exchange.alive"], ["distgrad._library"]],
+    # Standard library and torch only: the error tree, liveness sockets.
+    [["distgrad.errors"], ["distgrad._exchange.alive"]],
     [["distgrad._mesh"]],  # groups from device meshes; DTensors refused at the door
     # Every exchange, its waits and its checks; its floors: EXCHANGE_FLOORS below.
     [["distgrad._exchange"]],
@@ -40,12 +40,13 @@ EXCHANGE_FLOORS: Layers = [
     [[f"{_X}.alive"]],  # liveness sockets and /proc: is a peer's process still there
     [[f"{_X}.group"]],  # groups, ranks, sizes; forgetting destroyed groups
     [[f"{_X}.wait"]],  # how a rank waits: ticks, dead peers, errors that say where
-    # The data guard's tags in the data's own bytes; which c10d call each backend gets.
-    [[f"{_X}.guard"], [f"{_X}.backend"]],
+    # The data guard's tags in the data's own bytes; which c10d call each backend gets; the
+    # functional collectives a traced exchange emits.
+    [[f"{_X}.guard"], [f"{_X}.backend"], [f"{_X}.functional"]],
     [[f"{_X}.inflight"]],  # starting and waiting for a c10d call; steps; staging
     # Point-to-point pairs; the checked calls' metadata handshake; AsyncTensor.
     [[f"{_X}.pairs"], [f"{_X}.handshake"], [f"{_X}.async_op"]],
-    [[f"{_X}.declare"]],  # one declaration -> eager call, async branch, custom op, fake
+    [[f"{_X}.declare"]],  # one declaration -> eager call, async branch, traced form
     [[f"{_X}.ops"]],  # the exchanges, one file each
     [[f"{_X}.__init__"]],
 ]

@@ -1,30 +1,24 @@
-"""One declaration per exchange, and the four forms made from it.
+"""One declaration per exchange, and the three forms made from it.
 
 Each exchange (``distgrad._exchange.ops``, one file each) is declared once as an
-:class:`Exchange`: its steps (a generator, ``distgrad._exchange.inflight``), the schema of its
-arguments, its output's metadata as one function of its arguments, and what becomes of a rank's
-empty result. From that declaration come the four forms an exchange takes:
+:class:`Exchange`: its steps (a generator, ``distgrad._exchange.inflight``), its traced form
+(torch's functional collectives, ``distgrad._exchange.functional``), its output's metadata as
+one function of its arguments, and what becomes of a rank's empty result. The three forms:
 
 * the eager call: the steps driven through at once;
 * the ``async_op=True`` branch: an in-flight result whose shape is the declared one;
-* the ``distgrad::<name>`` custom op, which ``torch.compile`` records as one opaque node;
-* its fake kernel: the declared shape again.
+* while ``torch.compile`` traces: the traced form, nodes of ``torch.ops._c10d_functional``
+  (the collective, then its ``wait_tensor``), one family with torch's own collectives, which
+  the compiler orders, buckets and overlaps with compute (docs/semantics.md, "Inside
+  ``torch.compile``").
 
-So a shape is written once, and the async result and the compiled graph cannot disagree about it
-(``tests/collectives/test_exchanges.py`` checks the declaration against the eager result).
-
-Eager mode calls the steps directly: eager speed must not pay for compilation, and even a lean
-custom op (``distgrad._library``) adds a trip through the dispatcher to every call. While
-``torch.compile`` traces, each call emits the custom op instead, so the whole step compiles to
-one graph with no break, and the node runs the same steps when the graph runs. The autograd
-formulas stay where they are (the ``autograd.Function`` of each collective, which the compiler
-traces through): one definition of every adjoint for both modes.
-
-Why custom ops rather than torch's functional collectives underneath: those take no uneven
-sizes for all_gather and reduce_scatter, have no gather, scatter or point-to-point, and would
-be a second implementation of every exchange beside the eager one; a custom op runs the very
-code the eager tests check. The process group travels by its registered name (a custom op
-takes no Python objects), as in torch's functional collectives.
+Eager mode calls the steps directly: eager speed must not pay for compilation, and the steps
+carry what a traced graph cannot (the dead-peer watch's ticks, the data guard, staging). The
+autograd formulas stay where they are (the ``autograd.Function`` of each collective, which the
+compiler traces through): one definition of every adjoint for both modes, so a backward's
+exchanges are functional collectives in a compiled graph too.
+``tests/collectives/test_exchanges.py`` checks the declared shape and the traced form (run
+eagerly: torch's functional collectives run outside a graph too) against the eager steps.
 """
 
 from __future__ import annotations
@@ -37,9 +31,8 @@ import torch
 from torch import Tensor
 
 from distgrad._exchange.async_op import deferring, resolved, started
-from distgrad._exchange.group import Group, resolve_named
+from distgrad._exchange.group import Group
 from distgrad._exchange.inflight import ExchangeOp, Steps
-from distgrad._library import define
 
 __all__ = [
     "Exchange",
@@ -47,49 +40,18 @@ __all__ = [
     "exchange",
     "like",
     "no_rows",
-    "order_token",
     "rows",
     "traced",
     "zeros",
 ]
 
 
-# One tensor per device that every distgrad custom op declares it mutates (it never does).
-# Every rank must run every exchange, in the same order. The compiler removes an op whose output
-# a rank does not use (a gather's empty result off the destination) and reorders independent
-# ones by their buffer sizes, which differ between ranks: measured, a compiled gather hung its
-# destination, and a step whose exchanges had rank-dependent sizes ran them in different orders
-# on two ranks. Ops that write one tensor can be neither removed nor reordered (torch's ordered
-# effects did not stop the reordering in torch 2.13's inductor; a shared mutated argument does).
-# torch's own functional collectives (torch.ops._c10d_functional) take no such argument: put in
-# the same graph as these ops, inductor moved them (a compiled step with a permute after an
-# all_reduce hung, each rank in a different exchange), so every exchange here is a custom op.
-_tokens: dict[torch.device, Tensor] = {}
-
-
-def order_token(like: Tensor | torch.device) -> Tensor:
-    """The tensor every distgrad custom op on ``like``'s device declares it mutates."""
-    device = like if isinstance(like, torch.device) else like.device
-    token: Tensor = _token_on(str(device))
-    return token
-
-
-# Run eagerly even while tracing, its tensor taken as a constant of the graph: a token the graph
-# itself created and stored away would leave the graph as an output, which AOTAutograd's
-# partitioner refuses ("Node ... was invalid, but is output") for a graph that also trains.
-@torch._dynamo.assume_constant_result  # type: ignore[untyped-decorator]
-def _token_on(device: str) -> Tensor:
-    found = _tokens.get(torch.device(device))
-    if found is None:
-        found = _tokens[torch.device(device)] = torch.zeros(1, device=device)
-    return found
-
-
 _is_compiling = torch.compiler.is_compiling
 
 
 def traced(group: Group) -> bool:
-    """Whether to emit a custom op: while compiling, for a real group (alone is plain torch)."""
+    """Whether to emit the traced form: while compiling, for a real group (alone is plain
+    torch, traced as it is)."""
     return group.pg is not None and torch.compiler.is_compiling()
 
 
@@ -101,13 +63,12 @@ Meta = tuple[Sequence[int], torch.dtype, torch.device]
 class Exchange:
     """One exchange, declared once; calling it runs it (eagerly, in flight, or traced).
 
-    * ``name``: the custom op's name (``distgrad::<name>``);
+    * ``name``: the exchange's name (its steps' function name);
     * ``run``: its steps as a blocking call, ``run(x, *args, group)``, with ``run.start`` for
-      ``async_op=True`` and ``run.steps`` for an exchange built on it; it never emits a
-      custom op (the callers that must stay raw, inside a backward, call it);
-    * ``schema``: its arguments after ``x``, in ``torch.library`` schema words (``int[] sizes,
-      int dst``); every custom op also takes this rank's group rank, the group's registered
-      name and the order token;
+      ``async_op=True`` and ``run.steps`` for an exchange built on it; never traced (the
+      callers that must stay raw, such as debug mode's checks, call it);
+    * ``traced``: the same exchange written with torch's functional collectives,
+      ``traced(x, *args, group)``, what a call emits while ``torch.compile`` traces;
     * ``meta(x, *args, rank)``: the output's shape, dtype and device;
     * ``empty``: what a rank whose steps return ``None`` (off a reduce's or gather's
       destination) gets instead, from the input: zeros or an empty slice;
@@ -116,28 +77,15 @@ class Exchange:
 
     name: str
     run: ExchangeOp[..., Any]
-    schema: str
+    traced: Callable[..., Tensor | None]
     meta: Callable[..., Meta]
     empty: Callable[[Tensor], Tensor] | None = None
     takes_none: bool = False
 
-    def __post_init__(self) -> None:
-        x = "Tensor? x" if self.takes_none else "Tensor x"
-        define(
-            self.name,
-            f"({x}, {self.schema}, int rank, str group, Tensor(a!) token) -> Tensor",
-            self._kernel,
-            self._fake,
-        )
-
     def __call__(self, x: Tensor | None, *passed: Any) -> Tensor:
         group = passed[-1]  # after the op's arguments
         if group.pg is not None and _is_compiling():  # traced(group), inline: every call
-            args = passed[:-1]
-            token = order_token(x if x is not None else args[-1])  # scatter: its device
-            custom = getattr(torch.ops.distgrad, self.name)
-            out: Tensor = custom(x, *map(_listed, args), group.rank, group.name, token)
-            return out
+            return self._trace(x, passed)
         if x is not None and type(x) is not Tensor:
             x = resolved(x)
         if deferring():
@@ -147,6 +95,17 @@ class Exchange:
             return started(pending, like, device, self._finisher(x))
         out = self.run(x, *passed)
         return out if out is not None else self._result(out, x)
+
+    def _trace(self, x: Tensor | None, passed: tuple[Any, ...]) -> Tensor:
+        group: Group = passed[-1]
+        device = x.device if x is not None else passed[-2]  # scatter's receivers: its device
+        if group.is_nccl or device.type == "cpu":
+            return self._result(self.traced(x, *passed), x)
+        # gloo moves host memory: a CUDA tensor goes through the host, as the eager steps
+        # stage it (distgrad._exchange.inflight).
+        host = x.cpu() if x is not None else None
+        args = [torch.device("cpu") if isinstance(a, torch.device) else a for a in passed]
+        return self._result(self.traced(host, *args), host).to(device)
 
     def _result(self, out: Tensor | None, x: Tensor | None) -> Tensor:
         if out is None:
@@ -159,23 +118,11 @@ class Exchange:
             return None
         return lambda out: self._result(out, x)
 
-    def _kernel(self, x: Tensor | None, *passed: Any) -> Tensor:
-        *args, _rank, group, _token = passed
-        out = self._result(self.run(x, *args, resolve_named(group)), x)
-        # A custom op's output may share memory with nothing the caller can see: a view of a
-        # receive buffer (scatter's slice) is copied; it is the buffer's only view, so cheaply.
-        return out if out._base is None else out.clone()
-
-    def _fake(self, x: Tensor | None, *passed: Any) -> Tensor:
-        *args, rank, _group, _token = passed
-        shape, dtype, device = self.meta(x, *args, rank)
-        return torch.empty(tuple(shape), dtype=dtype, device=device)
-
 
 def exchange(
-    schema: str,
     meta: Callable[..., Meta],
     *,
+    traced: Callable[..., Tensor | None],
     staged: bool = True,
     empty: Callable[[Tensor], Tensor] | None = None,
     takes_none: bool = False,
@@ -186,14 +133,9 @@ def exchange(
 
     def declare(steps: Callable[..., Steps[Any]]) -> Exchange:
         run: ExchangeOp[..., Any] = ExchangeOp(steps, staged=staged)
-        return Exchange(steps.__name__, run, schema, meta, empty, takes_none)
+        return Exchange(steps.__name__, run, traced, meta, empty, takes_none)
 
     return declare
-
-
-def _listed(arg: Any) -> Any:
-    """A custom op takes lists where the eager call takes any sequence of ints."""
-    return list(arg) if isinstance(arg, tuple) else arg
 
 
 def like(x: Tensor, shape: Sequence[int]) -> Meta:

@@ -48,10 +48,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from distgrad._exchange.declare import order_token, traced
-from distgrad._exchange.group import Group, resolve_named
-from distgrad._exchange.pairs import Pairs, start_pairs
-from distgrad._library import op
+from distgrad._exchange.group import Group
+from distgrad._exchange.pairs import Shift, start_shift
 
 __all__ = ["KINDS", "ring_clip", "ring_reduce"]
 
@@ -84,38 +82,29 @@ class _Plan:
         """The rank whose keys the copy travelling to ``side`` holds after ``step`` shifts."""
         return (self.group.rank + (-step if side == "right" else step)) % self.group.size
 
-    def args(self) -> tuple[list[int], int, str, bool, str]:
-        """The plan as a custom op's arguments (the group by its registered name)."""
-        return list(self.rows), self.block, self.kind, self.mask_self, self.group.name
 
-    @staticmethod
-    def of(rows: list[int], block: int, kind: str, mask_self: bool, group: str) -> _Plan:
-        return _Plan(resolve_named(group), tuple(rows), block, kind, mask_self)
-
-
-def _shift(x: Tensor, g: Group) -> tuple[Tensor, Pairs]:
-    """Start sending ``x`` to the next rank of the ring; return the receive buffer and the
-    exchange in flight (its ``wait`` names a peer that dies meanwhile)."""
-    out = torch.empty_like(x)
+def _shift(x: Tensor, g: Group) -> Shift:
+    """Start sending ``x`` to the next rank of the ring, receiving the previous rank's."""
     after, before = (g.rank + 1) % g.size, (g.rank - 1) % g.size
-    return out, start_pairs([(x, after)], [(out, before)], g)
+    return start_shift([(x, after)], [(x.shape, before)], g)
 
 
-def _travel(copies: dict[str, Tensor], step: int, plan: _Plan) -> tuple[dict[str, Tensor], Pairs]:
+def _travel(copies: dict[str, Tensor], step: int, plan: _Plan) -> tuple[list[str], Shift]:
     """Start the ``step``-th shift of the travelling copies, both directions at once: the
     ``"right"`` copy to rank + 1 (a new one arrives from rank - 1), the ``"left"`` copy to
-    rank - 1 while it still has steps to go. Returns the arriving copies and the exchange."""
+    rank - 1 while it still has steps to go. Returns the sides moving and the exchange, whose
+    ``wait`` gives the arriving copies in that order."""
     g = plan.group
     after, before = (g.rank + 1) % g.size, (g.rank - 1) % g.size
-    sends, recvs, landed = [], [], {}
+    sends, recvs, sides = [], [], []
     for side, buf in copies.items():
         if side == "left" and step > plan.left_steps:
             continue
         to, source = (after, before) if side == "right" else (before, after)
-        landed[side] = torch.empty_like(buf)
         sends.append((buf, to))
-        recvs.append((landed[side], source))
-    return landed, start_pairs(sends, recvs, g)
+        recvs.append((buf.shape, source))
+        sides.append(side)
+    return sides, start_shift(sends, recvs, g)
 
 
 def _chunk_logits(a: Tensor, k: Tensor, scale: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
@@ -154,12 +143,11 @@ def _reduce_forward(a: Tensor, k: Tensor, scale: Tensor, bias: Tensor, plan: _Pl
     held = [(own, plan.group.rank)]
     out = a.new_full((a.shape[0],), float("-inf") if plan.kind == "lse" else 0.0)
     for step in range(plan.right_steps + 1):
-        landed, pending = _travel(copies, step + 1, plan) if step < plan.right_steps else ({}, None)
+        moving = _travel(copies, step + 1, plan) if step < plan.right_steps else None
         for keys, owner in held:
             part = _forward_block(a, keys[: plan.rows[owner]], scale, bias, plan, step == 0)
             out = torch.logaddexp(out, part) if plan.kind == "lse" else out + part
-        if pending is not None:
-            pending.wait()
+        landed = dict(zip(moving[0], moving[1].wait(), strict=True)) if moving else {}
         copies.update(landed)
         held = [(buf, plan.owner(side, step + 1)) for side, buf in landed.items()]
     return out
@@ -213,8 +201,8 @@ def _reduce_backward(
     travelling = torch.cat([padded, torch.zeros_like(padded)], 1)  # the copies start at zero
     copies = {"right": travelling, "left": travelling}
     for step in range(1, plan.right_steps + 1):
-        landed, pending = _travel(copies, step, plan)
-        pending.wait()
+        sides, moving = _travel(copies, step, plan)
+        landed = dict(zip(sides, moving.wait(), strict=True))
         copies.update(landed)
         for side, held in landed.items():
             owner = plan.owner(side, step)
@@ -224,11 +212,11 @@ def _reduce_backward(
         sends, recvs = [], []
         for side, steps in (("right", plan.right_steps), ("left", plan.left_steps)):
             if steps:
-                home = torch.empty(width, dim, dtype=k.dtype, device=k.device)
-                sends.append((copies[side][:, dim:].contiguous(), plan.owner(side, steps)))
-                recvs.append((home, plan.owner("left" if side == "right" else "right", steps)))
-        start_pairs(sends, recvs, g).wait()
-        for home, _ in recvs:
+                sends.append((copies[side][:, dim:], plan.owner(side, steps)))
+                recvs.append(
+                    ((width, dim), plan.owner("left" if side == "right" else "right", steps))
+                )
+        for home in start_shift(sends, recvs, g).wait():
             dk = dk + home[: len(k)]
     return sums[0], dk.contiguous(), sums[1], sums[2]
 
@@ -238,12 +226,7 @@ class _RingReduce(torch.autograd.Function):
     def forward(  # type: ignore[override]
         ctx: FunctionCtx, a: Tensor, k: Tensor, scale: Tensor, bias: Tensor, plan: _Plan
     ) -> Tensor:
-        if traced(plan.group):
-            out: Tensor = torch.ops.distgrad.ring_reduce(
-                a, k, scale, bias, *plan.args(), order_token(a)
-            )
-        else:
-            out = _reduce_forward(a, k, scale, bias, plan)
+        out = _reduce_forward(a, k, scale, bias, plan)
         ctx.save_for_backward(a, k, scale, bias, out)
         ctx.plan = plan  # type: ignore[attr-defined]
         return out
@@ -253,12 +236,7 @@ class _RingReduce(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         a, k, scale, bias, out = ctx.saved_tensors
         plan: _Plan = ctx.plan
-        if traced(plan.group):
-            grads = torch.ops.distgrad.ring_reduce_backward(
-                a, k, scale, bias, out, grad, *plan.args(), order_token(a)
-            )
-        else:
-            grads = _reduce_backward(a, k, scale, bias, out, grad, plan)
+        grads = _reduce_backward(a, k, scale, bias, out, grad, plan)
         need = ctx.needs_input_grad
         return (*(gr if n else None for gr, n in zip(grads, need, strict=False)), None)
 
@@ -289,8 +267,7 @@ def _send_on(x: Tensor, g: Group) -> Tensor:
     """Shift ``x`` one rank along the ring and wait (the payload was just updated)."""
     if g.size == 1:
         return x
-    out, pending = _shift(x.contiguous(), g)
-    pending.wait()
+    (out,) = _shift(x, g).wait()
     return out
 
 
@@ -354,10 +331,7 @@ class _RingClip(torch.autograd.Function):
     def forward(  # type: ignore[override]
         ctx: FunctionCtx, x: Tensor, y: Tensor, scale: Tensor, plan: _Plan
     ) -> tuple[Tensor, Tensor]:
-        if traced(plan.group):
-            row, col_lse = torch.ops.distgrad.ring_clip(x, y, scale, *plan.args(), order_token(x))
-        else:
-            row, col_lse = _clip_forward(x, y, scale, plan)
+        row, col_lse = _clip_forward(x, y, scale, plan)
         ctx.save_for_backward(x, y, scale, row, col_lse)
         ctx.plan = plan  # type: ignore[attr-defined]
         return row, col_lse
@@ -367,12 +341,7 @@ class _RingClip(torch.autograd.Function):
     def backward(ctx: Any, g_row: Tensor, g_col: Tensor) -> tuple[Tensor | None, ...]:
         x, y, scale, row, col_lse = ctx.saved_tensors
         plan: _Plan = ctx.plan
-        if traced(plan.group):
-            grads = torch.ops.distgrad.ring_clip_backward(
-                x, y, scale, row, col_lse, g_row, g_col, *plan.args(), order_token(x)
-            )
-        else:
-            grads = _clip_backward(x, y, scale, row, col_lse, g_row, g_col, plan)
+        grads = _clip_backward(x, y, scale, row, col_lse, g_row, g_col, plan)
         need = ctx.needs_input_grad
         return (*(gr if n else None for gr, n in zip(grads, need, strict=False)), None)
 
@@ -401,114 +370,3 @@ def ring_clip(
         text = text.view_as(text)
     row, col = _RingClip.apply(image, text, scale, plan)  # type: ignore[no-untyped-call]
     return row, col
-
-
-# The ring's passes as torch.library custom ops, for torch.compile (see
-# distgrad._exchange.declare: the same code runs, as one opaque node whose fake kernel gives the
-# output shapes; the token keeps every rank's exchanges in program order).
-
-
-@op("ring_reduce")
-def _ring_reduce_op(
-    a: Tensor,
-    k: Tensor,
-    scale: Tensor,
-    bias: Tensor,
-    rows: list[int],
-    block: int,
-    kind: str,
-    mask_self: bool,
-    group: str,
-    token: Tensor,
-) -> Tensor:
-    return _reduce_forward(a, k, scale, bias, _Plan.of(rows, block, kind, mask_self, group))
-
-
-@_ring_reduce_op.register_fake
-def _(a: Tensor, k: Tensor, scale: Tensor, bias: Tensor, *plan: object) -> Tensor:
-    return a.new_empty((a.shape[0],))
-
-
-@op("ring_reduce_backward")
-def _ring_reduce_backward_op(
-    a: Tensor,
-    k: Tensor,
-    scale: Tensor,
-    bias: Tensor,
-    out: Tensor,
-    grad: Tensor,
-    rows: list[int],
-    block: int,
-    kind: str,
-    mask_self: bool,
-    group: str,
-    token: Tensor,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    plan = _Plan.of(rows, block, kind, mask_self, group)
-    return _reduce_backward(a, k, scale, bias, out, grad, plan)
-
-
-@_ring_reduce_backward_op.register_fake
-def _(
-    a: Tensor, k: Tensor, scale: Tensor, bias: Tensor, out: Tensor, grad: Tensor, *plan: object
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return (
-        torch.empty_like(a),
-        torch.empty_like(k),
-        torch.empty_like(scale),
-        torch.empty_like(bias),
-    )
-
-
-@op("ring_clip")
-def _ring_clip_op(
-    x: Tensor,
-    y: Tensor,
-    scale: Tensor,
-    rows: list[int],
-    block: int,
-    kind: str,
-    mask_self: bool,
-    group: str,
-    token: Tensor,
-) -> tuple[Tensor, Tensor]:
-    return _clip_forward(x, y, scale, _Plan.of(rows, block, kind, mask_self, group))
-
-
-@_ring_clip_op.register_fake
-def _(x: Tensor, y: Tensor, scale: Tensor, *plan: object) -> tuple[Tensor, Tensor]:
-    return x.new_empty((x.shape[0],)), y.new_empty((y.shape[0],))
-
-
-@op("ring_clip_backward")
-def _ring_clip_backward_op(
-    x: Tensor,
-    y: Tensor,
-    scale: Tensor,
-    row: Tensor,
-    col_lse: Tensor,
-    g_row: Tensor,
-    g_col: Tensor,
-    rows: list[int],
-    block: int,
-    kind: str,
-    mask_self: bool,
-    group: str,
-    token: Tensor,
-) -> tuple[Tensor, Tensor, Tensor]:
-    plan = _Plan.of(rows, block, kind, mask_self, group)
-    return _clip_backward(x, y, scale, row, col_lse, g_row, g_col, plan)
-
-
-@_ring_clip_backward_op.register_fake
-def _(
-    x: Tensor,
-    y: Tensor,
-    scale: Tensor,
-    row: Tensor,
-    col_lse: Tensor,
-    g_row: Tensor,
-    g_col: Tensor,
-    *plan: object,
-) -> tuple[Tensor, Tensor, Tensor]:
-    return torch.empty_like(x), torch.empty_like(y), torch.empty_like(scale)

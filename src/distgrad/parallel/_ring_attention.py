@@ -39,12 +39,10 @@ import torch
 from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from distgrad._exchange.declare import order_token, traced
-from distgrad._exchange.group import Group, resolve, resolve_named
-from distgrad._library import op
+from distgrad._exchange.group import Group, resolve
+from distgrad._exchange.pairs import start_shift
 from distgrad._mesh import GroupLike
 from distgrad.collectives.all_gather import all_gather
-from distgrad.collectives.permute import permute
 from distgrad.parallel._checks import as_process_group, refuse, refuse_dtensors
 
 __all__ = ["ring_attention"]
@@ -60,19 +58,6 @@ class _Plan:
     @property
     def rank(self) -> int:
         return self.group.rank
-
-    def args(self) -> tuple[list[int], bool, float, str]:
-        """The plan as a custom op's arguments (the group by its registered name)."""
-        return list(self.sizes), self.causal, self.scale, self.group.name
-
-    @staticmethod
-    def of(sizes: list[int], causal: bool, scale: float, group: str) -> _Plan:
-        return _Plan(resolve_named(group), tuple(sizes), causal, scale)
-
-    @property
-    def ring(self) -> list[int]:
-        n = len(self.sizes)
-        return [(r + 1) % n for r in range(n)]
 
     def holder(self, step: int) -> int:
         """Whose block this rank holds at ``step``."""
@@ -102,7 +87,10 @@ class _Plan:
 def _shift(block: Tensor, plan: _Plan, step: int) -> Tensor:
     """Pass ``block`` to the next rank; receive the block of ``holder(step)``."""
     shape = (*block.shape[:-2], plan.sizes[plan.holder(step)], block.shape[-1])
-    return permute(block, plan.ring, plan.group.pg, recv_shape=shape)
+    n = len(plan.sizes)
+    after, before = (plan.rank + 1) % n, (plan.rank - 1) % n
+    (received,) = start_shift([(block, after)], [(shape, before)], plan.group).wait()
+    return received
 
 
 def _scores(q: Tensor, k: Tensor, plan: _Plan, block: int) -> Tensor:
@@ -211,17 +199,14 @@ def _backward(
         grads = grads + torch.cat([dkb, dvb], -1)
     # After the last step this rank holds the block of rank + 1, whose accumulator is complete.
     grads = _shift(grads, plan, len(plan.sizes)) if len(plan.sizes) > 1 else grads
-    # Two tensors of their own, not views of one (a custom op's outputs may not alias).
+    # Two tensors of their own, not views of one.
     return dq, grads[..., :dk_width].clone(), grads[..., dk_width:].clone()
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: FunctionCtx, q: Tensor, k: Tensor, v: Tensor, plan: _Plan) -> Tensor:
-        if traced(plan.group):  # one opaque node for torch.compile, as distgrad's ops
-            out, lse = torch.ops.distgrad.ring_attention(q, k, v, *plan.args(), order_token(q))
-        else:
-            out, lse = _forward(q, k, v, plan)
+        out, lse = _forward(q, k, v, plan)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan = plan  # type: ignore[attr-defined]
         return out  # type: ignore[no-any-return]
@@ -232,61 +217,8 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         plan: _Plan = ctx.plan
         dout = dout.contiguous()
-        if traced(plan.group):
-            dq, dk, dv = torch.ops.distgrad.ring_attention_backward(
-                q, k, v, out, lse, dout, *plan.args(), order_token(q)
-            )
-        else:
-            dq, dk, dv = _backward(q, k, v, out, lse, dout, plan)
+        dq, dk, dv = _backward(q, k, v, out, lse, dout, plan)
         return dq, dk, dv, None
-
-
-# The passes as torch.library custom ops, for torch.compile: the same code runs, as one node
-# whose fake kernel gives the output shapes; the token keeps every rank's exchanges in
-# program order (distgrad._exchange.declare).
-
-
-@op("ring_attention")
-def _ring_attention_op(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    sizes: list[int],
-    causal: bool,
-    scale: float,
-    group: str,
-    token: Tensor,
-) -> tuple[Tensor, Tensor]:
-    return _forward(q, k, v, _Plan.of(sizes, causal, scale, group))
-
-
-@_ring_attention_op.register_fake
-def _(q: Tensor, k: Tensor, v: Tensor, *plan: object) -> tuple[Tensor, Tensor]:
-    return q.new_empty((*q.shape[:-1], v.shape[-1])), q.new_empty(q.shape[:-1])
-
-
-@op("ring_attention_backward")
-def _ring_attention_backward_op(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    dout: Tensor,
-    sizes: list[int],
-    causal: bool,
-    scale: float,
-    group: str,
-    token: Tensor,
-) -> tuple[Tensor, Tensor, Tensor]:
-    return _backward(q, k, v, out, lse, dout, _Plan.of(sizes, causal, scale, group))
-
-
-@_ring_attention_backward_op.register_fake
-def _(
-    q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, *plan: object
-) -> tuple[Tensor, Tensor, Tensor]:
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def ring_attention(

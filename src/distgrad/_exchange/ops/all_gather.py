@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from distgrad._exchange import guard
+from distgrad._exchange import functional, guard
 from distgrad._exchange.backend import (
     ALL_GATHER_OPTIONS,
     all_gather_single,
@@ -23,7 +23,7 @@ from distgrad._exchange.pairs import exchange_by_pairs
 __all__ = ["all_gather"]
 
 
-@exchange("int[] sizes", lambda x, sizes, rank: rows(x, sum(sizes)))
+@exchange(lambda x, sizes, rank: rows(x, sum(sizes)), traced=functional.all_gather)
 def all_gather(x: Tensor, sizes: Sequence[int], group: Group) -> Steps[Tensor]:
     """Concatenate every rank's ``x`` along dim 0; ``sizes[i]`` is rank i's row count."""
     if group.pg is None:

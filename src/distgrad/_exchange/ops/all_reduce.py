@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from distgrad._exchange import guard
+from distgrad._exchange import functional, guard
 from distgrad._exchange.backend import (
     ALL_REDUCE_OPTIONS,
     REDUCE_OPS,
@@ -19,7 +19,7 @@ from distgrad._exchange.inflight import Steps, begin
 __all__ = ["all_reduce"]
 
 
-@exchange("str op", lambda x, op, rank: like(x, x.shape))
+@exchange(lambda x, op, rank: like(x, x.shape), traced=functional.all_reduce)
 def all_reduce(x: Tensor, op: str, group: Group) -> Steps[Tensor]:
     """Reduce ``x`` over ranks with ``op`` in sum, prod, max, min; every rank gets the result."""
     if group.pg is None:

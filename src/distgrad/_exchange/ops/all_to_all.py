@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from distgrad._exchange import guard
+from distgrad._exchange import functional, guard
 from distgrad._exchange.backend import (
     ALL_TO_ALL_OPTIONS,
     GLOO_ALL_TO_ALL_BELOW_BYTES,
@@ -24,8 +24,8 @@ __all__ = ["all_to_all"]
 
 
 @exchange(
-    "int[] input_sizes, int[] output_sizes",
     lambda x, input_sizes, output_sizes, rank: rows(x, sum(output_sizes)),
+    traced=functional.all_to_all,
 )
 def all_to_all(
     x: Tensor, input_sizes: Sequence[int], output_sizes: Sequence[int], group: Group

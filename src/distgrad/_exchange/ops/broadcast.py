@@ -9,7 +9,7 @@ from torch._C._distributed_c10d import (
     BroadcastOptions,
 )
 
-from distgrad._exchange import guard
+from distgrad._exchange import functional, guard
 from distgrad._exchange.backend import (
     nbytes,
     options,
@@ -22,7 +22,7 @@ from distgrad._exchange.inflight import Steps, begin
 __all__ = ["broadcast"]
 
 
-@exchange("int src", lambda x, src, rank: like(x, x.shape))
+@exchange(lambda x, src, rank: like(x, x.shape), traced=functional.broadcast)
 def broadcast(x: Tensor, src: int, group: Group) -> Steps[Tensor]:
     """Every rank gets group rank ``src``'s ``x`` (other ranks' values are not read)."""
     if group.pg is None:

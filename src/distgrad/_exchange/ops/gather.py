@@ -10,7 +10,7 @@ from torch._C._distributed_c10d import (
     GatherOptions,
 )
 
-from distgrad._exchange import guard
+from distgrad._exchange import functional, guard
 from distgrad._exchange.backend import (
     options,
     pad_rows,
@@ -25,9 +25,9 @@ __all__ = ["gather"]
 
 
 @exchange(
-    "int[] sizes, int dst",
     lambda x, sizes, dst, rank: rows(x, sum(sizes) if rank == dst else 0),
     empty=no_rows,
+    traced=functional.gather,
 )
 def gather(x: Tensor, sizes: Sequence[int], dst: int, group: Group) -> Steps[Tensor | None]:
     """Rank ``dst`` gets every rank's ``x`` concatenated along dim 0; None elsewhere."""

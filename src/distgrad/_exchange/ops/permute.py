@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from distgrad._exchange import guard
+from distgrad._exchange import functional, guard
 from distgrad._exchange.declare import exchange, like
 from distgrad._exchange.group import Group
 from distgrad._exchange.inflight import Steps
@@ -17,7 +17,7 @@ from distgrad._exchange.pairs import start_pairs
 __all__ = ["permute"]
 
 
-@exchange("int[] perm, int[] recv_shape", lambda x, perm, recv_shape, rank: like(x, recv_shape))
+@exchange(lambda x, perm, recv_shape, rank: like(x, recv_shape), traced=functional.permute)
 def permute(
     x: Tensor, perm: Sequence[int], recv_shape: Sequence[int], group: Group
 ) -> Steps[Tensor]:

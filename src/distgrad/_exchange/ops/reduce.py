@@ -9,7 +9,7 @@ from torch._C._distributed_c10d import (
     ReduceOptions,
 )
 
-from distgrad._exchange import guard
+from distgrad._exchange import functional, guard
 from distgrad._exchange.backend import (
     leading,
     options,
@@ -22,7 +22,7 @@ from distgrad._exchange.inflight import Steps, begin
 __all__ = ["reduce"]
 
 
-@exchange("int dst", lambda x, dst, rank: like(x, x.shape), empty=zeros)
+@exchange(lambda x, dst, rank: like(x, x.shape), empty=zeros, traced=functional.reduce)
 def reduce(x: Tensor, dst: int, group: Group) -> Steps[Tensor | None]:
     """The sum of ``x`` over ranks on group rank ``dst``; None on the other ranks."""
     if group.pg is None:

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 from torch import Tensor
 
+from distgrad._exchange import functional
 from distgrad._exchange.backend import (
     reduce_scatter_single,
 )
@@ -17,7 +18,7 @@ from distgrad._exchange.ops.all_to_all import all_to_all
 __all__ = ["reduce_scatter"]
 
 
-@exchange("int[] sizes", lambda x, sizes, rank: rows(x, sizes[rank]))
+@exchange(lambda x, sizes, rank: rows(x, sizes[rank]), traced=functional.reduce_scatter)
 def reduce_scatter(x: Tensor, sizes: Sequence[int], group: Group) -> Steps[Tensor]:
     """Sum ``x`` over ranks and return this rank's slice (``sizes[rank]`` rows) of the sum."""
     if group.pg is None:

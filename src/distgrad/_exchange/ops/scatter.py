@@ -12,7 +12,7 @@ from torch._C._distributed_c10d import (
     ScatterOptions,
 )
 
-from distgrad._exchange import guard
+from distgrad._exchange import functional, guard
 from distgrad._exchange.backend import (
     on_host,
     options,
@@ -27,10 +27,10 @@ __all__ = ["scatter"]
 
 
 @exchange(
-    "int[] sizes, int src, int[] trailing, ScalarType dtype, Device device",
     lambda x, sizes, src, trailing, dtype, device, rank: ((sizes[rank], *trailing), dtype, device),
     staged=False,  # its x may be None: it stages itself
     takes_none=True,
+    traced=functional.scatter,
 )
 def scatter(
     x: Tensor | None,

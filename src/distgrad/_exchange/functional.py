@@ -1,0 +1,176 @@
+"""torch's functional collectives, as a traced exchange emits them.
+
+While ``torch.compile`` traces, every distgrad exchange is written with
+``torch.ops._c10d_functional`` (the C++ ops behind ``torch.distributed._functional_collectives``)
+instead of running its eager steps: one family of collectives with torch's own (FSDP2, DTensor,
+funcol), which the compiler orders, buckets and overlaps with compute as one. Each call here
+emits two nodes, the collective (it starts the exchange and returns its future result) and
+``wait_tensor``, placed right after it as funcol places it; inductor's scheduling passes move
+the wait down past independent compute.
+
+The forms that torch has no collective for are written with one that it has, chosen to move
+no more bytes than the eager exchange does:
+
+* uneven all_gather and reduce_scatter: padded to the largest rank's rows, as NCCL's eager path
+  pads them (``all_gather_into_tensor``, ``reduce_scatter_tensor``);
+* gather, scatter and a permutation: ``all_to_all_single`` with zero splits to the ranks that
+  get nothing (funcol's own ``permute_tensor`` is written this way);
+* reduce: an ``all_reduce``, whose result the other ranks drop (torch has no functional reduce;
+  on a ring it moves the bytes a reduce-scatter and a gather would).
+
+Every function takes dim-0 layouts as the eager exchanges do and returns the waited result.
+These are private torch APIs: present and tested in torch 2.13 (docs/semantics.md).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from distgrad._exchange.group import Group
+
+__all__ = [
+    "all_gather",
+    "all_reduce",
+    "all_to_all",
+    "broadcast",
+    "gather",
+    "permute",
+    "reduce",
+    "reduce_scatter",
+    "scatter",
+    "shift",
+    "wait",
+]
+
+_C = torch.ops._c10d_functional
+
+# distgrad's reduce op names as the functional collectives spell them.
+_OPS = {"sum": "sum", "avg": "avg", "prod": "product", "max": "max", "min": "min"}
+
+
+def wait(x: Tensor) -> Tensor:
+    """The node that waits for a functional collective's result."""
+    out: Tensor = _C.wait_tensor(x)
+    return out
+
+
+def all_gather(x: Tensor, sizes: Sequence[int], group: Group) -> Tensor:
+    """Every rank's rows in rank order; uneven sizes padded to the largest on the wire."""
+    width = max(sizes)
+    sent = x.contiguous() if x.shape[0] == width else _pad_rows(x, width)
+    out = wait(_C.all_gather_into_tensor(sent, group.size, group.name))
+    if all(s == width for s in sizes):
+        return out
+    blocks = out.view(group.size, width, *x.shape[1:])
+    return torch.cat([blocks[i, :s] for i, s in enumerate(sizes)])
+
+
+def reduce_scatter(x: Tensor, sizes: Sequence[int], group: Group) -> Tensor:
+    """The sum over ranks of ``x``'s rows, this rank's ``sizes[rank]`` of them."""
+    width = max(sizes)
+    if any(s != width for s in sizes):
+        x = torch.cat([_pad_rows(part, width) for part in x.split_with_sizes(list(sizes))])
+    out = wait(_C.reduce_scatter_tensor(x.contiguous(), "sum", group.size, group.name))
+    return out if sizes[group.rank] == width else out[: sizes[group.rank]]
+
+
+def all_reduce(x: Tensor, op: str, group: Group) -> Tensor:
+    return wait(_C.all_reduce(x.contiguous(), _OPS[op], group.name))
+
+
+def reduce(x: Tensor, dst: int, group: Group) -> Tensor | None:
+    """The sum on ``dst``; None elsewhere (the exchange's declared empty result there)."""
+    out = all_reduce(x, "sum", group)
+    return out if group.rank == dst else None
+
+
+def broadcast(x: Tensor, src: int, group: Group) -> Tensor:
+    """``src`` (a group rank, as the functional op takes it) to every rank."""
+    return wait(_C.broadcast(x.contiguous(), src, group.name))
+
+
+def all_to_all(
+    x: Tensor, input_sizes: Sequence[int], output_sizes: Sequence[int], group: Group
+) -> Tensor:
+    sent = x.contiguous()
+    return wait(_C.all_to_all_single(sent, list(output_sizes), list(input_sizes), group.name))
+
+
+def gather(x: Tensor, sizes: Sequence[int], dst: int, group: Group) -> Tensor | None:
+    """Every rank's rows on ``dst`` (an all_to_all that sends only there); None elsewhere."""
+    sent = [x.shape[0] if r == dst else 0 for r in range(group.size)]
+    got = list(sizes) if group.rank == dst else [0] * group.size
+    out = all_to_all(x, sent, got, group)
+    return out if group.rank == dst else None
+
+
+def scatter(
+    x: Tensor | None,
+    sizes: Sequence[int],
+    src: int,
+    trailing: Sequence[int],
+    dtype: torch.dtype,
+    device: torch.device,
+    group: Group,
+) -> Tensor:
+    """``sizes[i]`` rows of ``src``'s ``x`` to rank i (an all_to_all that only ``src`` feeds)."""
+    if group.rank == src:
+        assert x is not None
+        sent = list(sizes)
+    else:
+        # Nothing sent, yet from ``x`` when there is one: in a backward (gather's adjoint) an
+        # input made from nothing lets the partitioner hoist the exchange into the forward
+        # graph, and the wait, which it must keep, then runs it a second time in the backward.
+        nothing = (0, *trailing)
+        x = torch.empty(nothing, dtype=dtype, device=device) if x is None else _none_of(x, nothing)
+        sent = [0] * group.size
+    got = [sizes[group.rank] if r == src else 0 for r in range(group.size)]
+    return all_to_all(x, sent, got, group)
+
+
+def permute(x: Tensor, perm: Sequence[int], recv_shape: Sequence[int], group: Group) -> Tensor:
+    """``x`` to group rank ``perm[rank]``; what the rank that maps here sent, of ``recv_shape``.
+    Every rank joins the one collective, a rank that keeps its own tensor too."""
+    if all(to == r for r, to in enumerate(perm)):
+        return x.clone()
+    source = list(perm).index(group.rank)
+    return shift([(x, perm[group.rank])], [(recv_shape, source)], group)[0]
+
+
+def shift(
+    sends: Sequence[tuple[Tensor, int]],
+    recvs: Sequence[tuple[Sequence[int], int]],
+    group: Group,
+) -> list[Tensor]:
+    """Point-to-point messages in one ``all_to_all_single`` (each pair of ranks exchanges at
+    most one message each way): ``sends`` as (tensor, group rank), ``recvs`` as (shape, group
+    rank). Returns the received tensors, in ``recvs``'s order, with ``sends``'s dtype."""
+    dtype, device = sends[0][0].dtype, sends[0][0].device
+    out_of = {rank: math.prod(shape) for shape, rank in recvs}
+    sent_to = {rank: t for t, rank in sends}
+    flat = [sent_to[r].reshape(-1) for r in range(group.size) if r in sent_to]
+    input_sizes = [sent_to[r].numel() if r in sent_to else 0 for r in range(group.size)]
+    output_sizes = [out_of.get(r, 0) for r in range(group.size)]
+    data = torch.cat(flat) if len(flat) > 1 else flat[0].to(dtype)
+    got = all_to_all(data.to(device), input_sizes, output_sizes, group)
+    starts = {}
+    at = 0
+    for r in range(group.size):
+        starts[r] = at
+        at += output_sizes[r]
+    return [got[starts[r] : starts[r] + out_of[r]].view(tuple(shape)) for shape, r in recvs]
+
+
+def _none_of(x: Tensor, shape: Sequence[int]) -> Tensor:
+    """An empty tensor of ``shape`` that the graph computes from ``x``."""
+    return x.reshape(-1)[:0].view(tuple(shape)).to(x.dtype)
+
+
+def _pad_rows(x: Tensor, rows: int) -> Tensor:
+    if x.shape[0] == rows:
+        return x.contiguous()
+    return torch.cat([x, x.new_zeros((rows - x.shape[0], *x.shape[1:]))])
