@@ -116,7 +116,9 @@ def _parser() -> argparse.ArgumentParser:
         ),
     )
     check.add_argument("target", metavar="TARGET", help="MODULE:FUNCTION or FILE.py:FUNCTION")
-    check.add_argument("--world-size", type=_positive, default=2, help="processes (default 2)")
+    check.add_argument(
+        "--world-size", type=_positive, default=2, help="ranks (default 2): processes, or simulated"
+    )
     check.add_argument("--inputs", default="make_inputs", help="inputs function (make_inputs)")
     check.add_argument("--model", default=None, help="model factory (default: make_model if any)")
     check.add_argument(
@@ -140,6 +142,12 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run the ranks without distgrad's debug mode (for code whose ranks legitimately "
         "call a collective from different lines)",
+    )
+    check.add_argument(
+        "--simulate",
+        action="store_true",
+        help="run every rank in this process (torch's LocalTensorMode) instead of starting "
+        "processes; refused, with the reason, for code that cannot be simulated",
     )
     check.set_defaults(run=_run_check)
     return parser
@@ -221,6 +229,7 @@ def _run_check(args: argparse.Namespace) -> int:
             atol=args.atol,
             timeout=args.timeout,
             debug=not args.no_debug,
+            simulate=args.simulate,
         )
     except NotALossError as exc:
         raise _UsageError(f"{name}: {exc}") from None

@@ -1,5 +1,10 @@
 """Losses written for one rank, right and wrong, for the checker's tests (module level, so they
-pickle). Inputs: queries q and keys k, [B_local, D], float64."""
+pickle). Inputs: queries q and keys k, [B_local, D], float64.
+
+Each is checked on processes and simulated (``simulate=True``: every rank in one Python
+program), so a rank's own value enters as data (``_offset`` a tensor, ``_on_rank`` a per-rank
+factor), not as a Python branch; ``calls_from_two_places`` branches on purpose.
+"""
 
 from __future__ import annotations
 
@@ -16,9 +21,19 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _offset(rows: int) -> int:
+def _offset(rows: int) -> Tensor:
+    """This rank's first global row, a 0-dim tensor."""
     sizes = dg.all_gather(torch.tensor([rows]))
-    return int(sizes[: _rank()].sum())
+    return sizes[: _rank()].sum()
+
+
+def _on_rank(rank: int, value: float, otherwise: float) -> Tensor:
+    """``value`` on rank ``rank`` and ``otherwise`` elsewhere (and in one process), a 0-dim
+    float64 tensor."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    every = torch.full((max(world, rank + 1),), otherwise, dtype=torch.float64)
+    every[rank] = value if world > 1 else otherwise
+    return every.select(0, _rank())  # not every[rank]: indexing needs one Python int
 
 
 def _info_nce(q: Tensor, keys: Tensor) -> Tensor:
@@ -100,31 +115,30 @@ def wrong_offsets(q: Tensor, k: Tensor) -> Tensor:
 
 
 def scaled_on_rank_1(q: Tensor, k: Tensor) -> Tensor:
-    if _rank() == 1:
-        k = k * 1.0
-        k.register_hook(lambda g: 2 * g)
+    """Rank 1's key gradient doubled."""
+    k = k * 1.0
+    factor = _on_rank(1, 2.0, 1.0)
+    k.register_hook(lambda g: factor * g)
     return right(q, k)
 
 
 def cut_on_rank_1(q: Tensor, k: Tensor) -> Tensor:
     """Rank 1's keys take part in the gather, but no gradient flows back to them."""
-    if _rank() == 1:
-        k = k * 0 + k.detach()
+    keep = _on_rank(1, 0.0, 1.0)
+    k = k * keep + (k * (1 - keep)).detach()
     return right(q, k)
 
 
 def scaled_by_rank(q: Tensor, k: Tensor) -> Tensor:
     """Every rank's key gradient is off, by a different factor on each rank (distributed only)."""
     k = k * 1.0
-    factor = 2.0 + _rank() if dist.is_initialized() else 1.0
+    factor = torch.tensor(2.0, dtype=torch.float64) + _rank() if dist.is_initialized() else 1.0
     k.register_hook(lambda g: factor * g)
     return right(q, k)
 
 
 def nan_on_rank_1(q: Tensor, k: Tensor) -> Tensor:
-    if _rank() == 1:
-        k = k * float("nan")
-    return right(q, k)
+    return right(q, k * _on_rank(1, float("nan"), 1.0))
 
 
 class Projector(nn.Module):

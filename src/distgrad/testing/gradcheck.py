@@ -33,9 +33,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from distgrad._exchange.handshake import set_debug
+from distgrad._exchange.handshake import debug_enabled, set_debug
 from distgrad.collectives._common import near_even
 from distgrad.errors import CheckArgumentError, NotALossError
+from distgrad.testing import _simulate
 from distgrad.testing._report import Combine, GradReport, RunResult, build_report
 from distgrad.testing.launch import run_on_ranks
 
@@ -73,6 +74,7 @@ def check_against_single_process(
     timeout: float = 120.0,
     raise_on_mismatch: bool = False,
     debug: bool = True,
+    simulate: bool = False,
 ) -> GradReport:
     """Run ``fn`` on one process and on ``world_size`` processes and compare the gradients.
 
@@ -119,6 +121,12 @@ def check_against_single_process(
     _check_binding(fn, names, by_name, model is not None)
     sizes = _shard_sizes(tensors, shard_dim, shard_sizes, world_size)
     rtol, atol = _tolerances(tensors, rtol, atol)
+    if simulate and len(set(sizes)) > 1:
+        raise CheckArgumentError(
+            f"check_against_single_process: simulate=True takes even shards only, got {sizes}: "
+            "distgrad's exchanges read each rank's row count as one Python int "
+            f"(sizes[group.rank]), which one program cannot hold for every rank; {_simulate.DROP}"
+        )
     reference_model = model() if model is not None else None
     state = _state_of(reference_model)
     reference = _reference_run(fn, names, by_name, tensors, reference_model)
@@ -127,11 +135,17 @@ def check_against_single_process(
         for rank in range(world_size)
     )
     job = _Job(fn, names, by_name, shards, model, state, None, debug)
-    results = run_on_ranks(_rank_run, world_size, args=(job,), timeout=timeout)
+
+    def run(job: _Job) -> list[RunResult]:
+        if simulate:
+            return _simulated_run(job, world_size)
+        return run_on_ranks(_rank_run, world_size, args=(job,), timeout=timeout)
+
+    results = run(job)
 
     def probe() -> list[RunResult]:
         # Only rank 0 back-propagates: gradients that reach other ranks crossed a rank.
-        return run_on_ranks(_rank_run, world_size, args=(_probe_job(job),), timeout=timeout)
+        return run(_probe_job(job))
 
     report = build_report(
         reference, results, sizes, shard_dim, combine=gradients, rtol=rtol, atol=atol, probe=probe
@@ -266,14 +280,7 @@ def _run_once(
     backward: bool = True,
 ) -> RunResult:
     leaves = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in tensors]
-    prefix = [model] if model is not None else []
-    named = dict(zip(names, leaves, strict=True)) if by_name else {}
-    loss = fn(*prefix, **named) if by_name else fn(*prefix, *leaves)
-    if not isinstance(loss, Tensor) or loss.numel() != 1:
-        raise NotALossError(
-            "the checked function must return this rank's loss as a scalar tensor, got "
-            f"{type(loss).__name__}{'' if not isinstance(loss, Tensor) else tuple(loss.shape)}"
-        )
+    loss = _forward(fn, names, by_name, leaves, model)
     value = float(loss.detach().reshape(()).item())
     if loss.requires_grad:
         torch.autograd.backward((loss if backward else loss * 0.0).reshape(()))
@@ -283,6 +290,24 @@ def _run_once(
         input_grads={n: _grad(t) for n, t in zip(names, leaves, strict=True)},
         param_grads={n: _grad(p) for n, p in params.items()},
     )
+
+
+def _forward(
+    fn: Callable[..., Tensor],
+    names: Sequence[str],
+    by_name: bool,
+    leaves: Sequence[Tensor],
+    model: nn.Module | None,
+) -> Tensor:
+    prefix = [model] if model is not None else []
+    named = dict(zip(names, leaves, strict=True)) if by_name else {}
+    loss = fn(*prefix, **named) if by_name else fn(*prefix, *leaves)
+    if not isinstance(loss, Tensor) or loss.numel() != 1:
+        raise NotALossError(
+            "the checked function must return this rank's loss as a scalar tensor, got "
+            f"{type(loss).__name__}{'' if not isinstance(loss, Tensor) else tuple(loss.shape)}"
+        )
+    return loss
 
 
 def _grad(t: Tensor) -> Tensor | None:
@@ -298,3 +323,52 @@ def _rank_run(rank: int, world_size: int, job: _Job) -> RunResult:
         model.load_state_dict(job.model_state)
     backward = job.backward_ranks is None or rank in job.backward_ranks
     return _run_once(job.fn, job.names, job.by_name, job.shards[rank], model, backward=backward)
+
+
+def _simulated_run(job: _Job, world_size: int) -> list[RunResult]:
+    """Every rank's run, in this process (``_simulate``): ``job.fn`` called on tensors that
+    hold each rank's shard, one backward of every rank's loss (times 0 on a rank that does
+    not back-propagate, as ``_run_once`` does on processes)."""
+
+    def body() -> list[RunResult]:
+        was_debug = debug_enabled()
+        set_debug(job.debug)
+        try:
+            return _simulated_ranks(job, world_size)
+        finally:
+            set_debug(was_debug)
+
+    return _simulate.run_simulated(body, world_size, "check_against_single_process")
+
+
+def _simulated_ranks(job: _Job, world_size: int) -> list[RunResult]:
+    model = job.make_model() if job.make_model is not None else None
+    if model is not None and job.model_state is not None:
+        model.load_state_dict(job.model_state)
+    leaves = [
+        _simulate.stacked([job.shards[r][i] for r in range(world_size)]).requires_grad_(
+            job.shards[0][i].is_floating_point()
+        )
+        for i in range(len(job.names))
+    ]
+    loss = _forward(job.fn, job.names, job.by_name, leaves, model)
+    values = _simulate.per_rank(loss.detach().reshape(()), world_size)
+    if loss.requires_grad:
+        backward = [
+            job.backward_ranks is None or r in job.backward_ranks for r in range(world_size)
+        ]
+        scale = _simulate.stacked([torch.tensor(float(b), dtype=loss.dtype) for b in backward])
+        torch.autograd.backward((loss * scale).reshape(()))
+    params = dict(model.named_parameters()) if model is not None else {}
+    return [
+        RunResult(
+            loss=float(values[r].item()),
+            input_grads={n: _rank_grad(t, r) for n, t in zip(job.names, leaves, strict=True)},
+            param_grads={n: _rank_grad(p, r) for n, p in params.items()},
+        )
+        for r in range(world_size)
+    ]
+
+
+def _rank_grad(t: Tensor, rank: int) -> Tensor | None:
+    return None if t.grad is None else _simulate.local(t.grad, rank).detach().clone()

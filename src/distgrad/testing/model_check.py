@@ -41,6 +41,7 @@ import torch
 from torch import Tensor, nn
 
 from distgrad.errors import CheckArgumentError, GradientMismatchError
+from distgrad.testing import _simulate
 from distgrad.testing.launch import run_on_ranks
 
 __all__ = ["ModelReport", "ParameterCheck", "check_parallel_model", "diagnose"]
@@ -154,6 +155,7 @@ def check_parallel_model(
     atol: float | None = None,
     timeout: float = 120.0,
     raise_on_mismatch: bool = False,
+    simulate: bool = False,
 ) -> ModelReport:
     """Run ``steps`` training steps of ``make_model()`` in this process on the whole ``batch``
     and of ``parallelize(model, mesh)`` on ``world_size`` local ranks; compare every
@@ -170,6 +172,10 @@ def check_parallel_model(
     keep the parameters' names (replace a submodule by one with the same parameter names).
     ``optimizer`` makes the optimizer from the parameters (default SGD, lr 0.1). The
     functions must pickle (module level).
+
+    ``simulate=True`` runs every rank in this process instead of starting processes (torch's
+    ``LocalTensorMode``; docs/checker.md says what simulates), with the same report, or
+    :class:`CheckArgumentError` when the code cannot be simulated truthfully.
 
     Tolerances default to ``rtol=1e-7, atol=1e-10`` for a float64 model, ``1e-4, 1e-6``
     otherwise. Raises :class:`CheckArgumentError` before any process starts for arguments it
@@ -201,7 +207,8 @@ def check_parallel_model(
 
     model = make_model()
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    ref_losses, ref = _train(model, loss_fn, tensors, keys, steps, optimizer, takes_mesh, None)
+    losses, ref = _train(model, loss_fn, tensors, keys, steps, optimizer, takes_mesh, None)
+    ref_losses = [float(x) for x in losses]  # type: ignore[arg-type]
     floating = [p for p in model.parameters() if p.is_floating_point()]
     wide = all(p.dtype == torch.float64 for p in floating)
     rtol = rtol if rtol is not None else (1e-7 if wide else 1e-4)
@@ -211,7 +218,13 @@ def check_parallel_model(
         make_model, parallelize, loss_fn, state, tensors, keys, shape, names,
         tuple(data), steps, optimizer, takes_mesh,
     )  # fmt: skip
-    results = run_on_ranks(_rank_run, world_size, args=(job,), timeout=timeout)
+    results: list[Any]
+    if simulate:
+        results = _simulate.run_simulated(
+            lambda: _simulated_ranks(job, world_size), world_size, "check_parallel_model"
+        )
+    else:
+        results = run_on_ranks(_rank_run, world_size, args=(job,), timeout=timeout)
     report = ModelReport(
         shape, names, ref_losses, [list(x) for x in zip(*(r[0] for r in results), strict=True)]
     )
@@ -287,7 +300,7 @@ def _train(
     make_optimizer: MakeOptimizer,
     takes_mesh: bool,
     mesh: Any,
-) -> tuple[list[float], list[_Record]]:
+) -> tuple[list[Tensor | None], list[_Record]]:
     opt = make_optimizer(model.parameters())
     losses, records = [], []
     for _ in range(steps):
@@ -298,7 +311,7 @@ def _train(
         grads = {n: _full(p.grad) for n, p in _named(model)}
         opt.step()
         after = {n: _full(p) for n, p in _named(model)}
-        losses.append(float(_full(loss.detach())))  # type: ignore[arg-type]
+        losses.append(_full(loss.detach()))
         records.append({n: (grads[n], after[n], before[n]) for n in after})
     return losses, records
 
@@ -345,7 +358,86 @@ def _rank_run(
     losses, records = _train(
         model, job.loss_fn, local, job.names, job.steps, job.optimizer, job.takes_mesh, mesh
     )
-    return losses, records, coords
+    return [float(x) for x in losses], records, coords  # type: ignore[arg-type]
+
+
+def _simulated_ranks(
+    job: _Job, world_size: int
+) -> list[tuple[list[float], list[_Record], tuple[int, ...]]]:
+    """Every rank's ``_rank_run``, simulated in this process (``_simulate``): one program on
+    tensors holding each rank's value; each rank's rows and coordinates from its index in the
+    mesh, as ``init_device_mesh`` lays the ranks out (row-major)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", job.mesh_shape, mesh_dim_names=job.mesh_dim_names)
+    coords = [_coordinates(r, job.mesh_shape) for r in range(world_size)]
+    model = job.make_model()
+    model.load_state_dict(job.state)
+    try:
+        model = job.parallelize(model, mesh)
+    except Exception as exc:  # measured: DDP's constructor fails on LocalTensor parameters
+        raise _simulate.Refused(
+            f"parallelize failed under LocalTensorMode ({type(exc).__name__}: {exc})"
+        ) from exc
+    _refuse_wrappers(model)
+    rows = [_rows_of(c, job) for c in coords]
+    local = tuple(
+        _simulate.stacked([t.tensor_split(rows[r][1])[rows[r][0]] for r in range(world_size)])
+        if t.dim()
+        else t
+        for t in job.batch
+    )
+    losses, records = _train(
+        model, job.loss_fn, local, job.names, job.steps, job.optimizer, job.takes_mesh, mesh
+    )
+
+    def mine(t: Tensor | None, rank: int) -> Tensor | None:
+        return None if t is None else _simulate.local(t, rank).clone()
+
+    return [
+        (
+            [float(_simulate.local(x, r)) for x in losses if x is not None],
+            [
+                {n: (mine(g, r), mine(a, r), mine(b, r)) for n, (g, a, b) in step.items()}
+                for step in records
+            ],
+            coords[r],
+        )
+        for r in range(world_size)
+    ]
+
+
+def _refuse_wrappers(model: nn.Module) -> None:
+    """DDP's reducer (C++, buckets of raw storage) and FSDP2's sharded storage (resized in
+    place) do not run on LocalTensors (measured: both fail inside torch)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
+
+    for module in model.modules():
+        for kind, name in ((DistributedDataParallel, "DistributedDataParallel"),
+                           (FSDPModule, "FSDP2 (fully_shard)")):  # fmt: skip
+            if isinstance(module, kind):
+                raise _simulate.Refused(
+                    f"{name} does not run under LocalTensorMode (its buffers are raw storage "
+                    "outside the per-rank tensors)"
+                )
+
+
+def _coordinates(rank: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    coords = []
+    for size in reversed(shape):
+        coords.append(rank % size)
+        rank //= size
+    return tuple(reversed(coords))
+
+
+def _rows_of(coords: tuple[int, ...], job: _Job) -> tuple[int, int]:
+    """Which part of the batch a rank at ``coords`` gets, and into how many it is split."""
+    index, parts = 0, 1
+    for dim, name in enumerate(job.mesh_dim_names):
+        if name in job.data:
+            index, parts = index * job.mesh_shape[dim] + coords[dim], parts * job.mesh_shape[dim]
+    return index, parts
 
 
 def _assemble(
