@@ -2,7 +2,12 @@
 result and the compiled graph's fake kernel both use) is what its eager call returns, on every
 rank, for even and uneven sizes and for the ranks off a root: shape, dtype and device. A
 declaration that drifted from its steps would give a compiled graph or an in-flight result the
-wrong shape while eager stayed right."""
+wrong shape while eager stayed right.
+
+The traced form of each exchange (``Exchange.traced``: torch's functional collectives, what a
+compiled graph runs) gives the eager steps' values too: run eagerly here, since torch's
+functional collectives also run outside a graph. Values equal to float64 rounding (a sum over
+ranks may be added in another order by the backend's reduce-scatter)."""
 
 from __future__ import annotations
 
@@ -34,7 +39,7 @@ def _cases(rank: int, n: int) -> dict[str, tuple[Any, ...]]:
         "reduce": (whole, 0),
         "gather": (x, sizes, 0),
         "scatter": (whole if rank == 1 else None, sizes, 1, [3], torch.float64, x.device),
-        "permute": (whole, ring, list(whole.shape)),
+        "permute": (x, ring, [sizes[(rank - 1) % n], 3]),
     }
 
 
@@ -52,10 +57,15 @@ def _compare(rank: int, n: int) -> list[str]:
                 f"{exchange.name} on rank {rank}: eager {tuple(out.shape)} {out.dtype} "
                 f"{out.device}, declared {tuple(shape)} {dtype} {device}"
             )
+        traced = exchange._result(exchange.traced(x, *args, group), x)
+        try:
+            torch.testing.assert_close(traced, out, rtol=1e-15, atol=1e-15)
+        except AssertionError as error:
+            found.append(f"{exchange.name} on rank {rank}: traced form differs: {error}")
     return found
 
 
 @pytest.mark.parametrize("n", [2, 3])
-def test_every_exchange_returns_its_declared_output(n: int) -> None:
+def test_every_exchange_returns_its_declared_output_and_its_traced_form_agrees(n: int) -> None:
     for found in run_on_ranks(_compare, n):
         assert not found, "\n".join(found)

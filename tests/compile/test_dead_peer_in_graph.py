@@ -1,12 +1,13 @@
-"""The dead-peer watch inside a compiled graph.
+"""A peer that dies during a compiled step: what a survivor sees.
 
-Inside ``torch.compile`` every exchange is a ``distgrad::`` custom op whose kernel runs the
-eager exchange, waits included (docs/semantics.md, "Inside torch.compile"). So a peer that dies
-while a compiled step waits is named as in eager mode: the wait's ticks see its liveness
-socket reset, and the step raises distgrad's error, naming the op, the pass and the dead rank,
-within tens of milliseconds, not at the process group's timeout. Asserted on 2 gloo ranks:
-rank 1 is SIGKILLed once both ranks have compiled and run the step; rank 0's next compiled
-step raises that error within a second.
+Inside ``torch.compile`` every exchange is torch's functional collective, and its wait is
+torch's ``wait_tensor`` (docs/semantics.md, "Inside torch.compile"), which distgrad's
+dead-peer watch does not tick through. On gloo a SIGKILLed peer closes its connections, and a
+survivor waiting for it gets gloo's own error ("Connection closed by peer" or "Connection reset
+by peer", naming the peer's address, not its rank) within milliseconds; at worst (a peer that
+dies mid-transfer, docs/faults.md) the process group's timeout. Asserted on 2 gloo ranks: rank
+1 is SIGKILLed once both ranks have compiled and run the step; rank 0's next compiled step
+raises within a second, with gloo's message.
 """
 
 from __future__ import annotations
@@ -47,11 +48,10 @@ def _killed_during_a_compiled_step(rank: int, world_size: int) -> tuple[float, s
 
 
 @pytest.mark.slow  # 6-8 s: in CI's slow part (.ci/run)
-def test_a_peer_killed_during_a_compiled_step_is_named_within_a_second() -> None:
+def test_a_peer_killed_during_a_compiled_step_fails_the_survivor_within_a_second() -> None:
     with pytest.raises(RankFailedError) as failure:
         run_on_ranks(_killed_during_a_compiled_step, 2, timeout=120, collective_timeout=30)
     assert 0 in failure.value.results, f"rank 0 never reported:\n{failure.value}"
     took, first = failure.value.results[0]
     assert took < NAMED_WITHIN_S, f"{took:.3f} s: {first}"
-    assert first.startswith("distgrad: rank 0 was in the forward of all_reduce"), first
-    assert "rank 1 exited or crashed" in first, first
+    assert "Connection closed by peer" in first or "Connection reset by peer" in first, first
