@@ -595,8 +595,9 @@ class AsyncScaler:
         return self.w
 
 
-def squared_sum(x: Tensor) -> Tensor:
-    return (x * x).sum()
+def weighted_squared_sum(x: Tensor, v: Tensor) -> Tensor:
+    """<v, x * x>: its gradient is 2 * v * x."""
+    return (v * x * x).sum()
 
 
 def local_leaf_sum() -> Tensor:
@@ -613,6 +614,13 @@ def owner_leaf_grad() -> Tensor | None:
     return _owned_leaves[-1].grad
 
 
+def owner_rref_local_backward() -> Tensor | None:
+    """On the owner, outside any context: RRef.backward() of a scalar made from a leaf here
+    (torch's local backward); the leaf's .grad."""
+    dgrpc.RRef(local_leaf_sum()).backward()
+    return owner_leaf_grad()
+
+
 def leaf_grad_in(context_id: int, rref: Any) -> Tensor | None:
     """On the owner of a ThreeByThree: its weight's gradient in the context."""
     return dgrpc.get_gradients(context_id).get(rref.local_value().w)
@@ -625,6 +633,11 @@ def leaf_grad_in_scaler(context_id: int, rref: Any) -> Tensor | None:
 def seeded_linear(seed: int) -> torch.nn.Linear:
     torch.manual_seed(seed)
     return torch.nn.Linear(4, 2, dtype=torch.float64)
+
+
+def module_training(rref: Any) -> bool:
+    """On a module's owner: its training flag."""
+    return bool(rref.local_value().training)
 
 
 def module_grads(context_id: int, rref: Any) -> list[Tensor]:

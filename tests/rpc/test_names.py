@@ -12,6 +12,7 @@ import torch
 from torch.distributed import rpc as torch_rpc
 
 import distgrad.rpc as dgrpc
+from distgrad.errors import UnknownContextError
 from distgrad.testing import run_on_ranks
 from tests import _support as support
 from tests.rpc import _funcs as F
@@ -109,17 +110,40 @@ def _async_function(mode: str) -> None:
 
 
 def _rref_backward(mode: str) -> None:
-    """[torch's test_rref_backward*] RRef.backward in a context reaches the caller's leaves;
-    with no context it is a local backward on the owner."""
+    """[torch's test_owner_rref_backward, test_user_rref_backward] RRef.backward(cid) runs a
+    distributed backward from the value on its owner: from a user RRef (the value made on
+    worker1 from the caller's leaf; the caller's gradient is <v, x * x>'s, 2 * v * x, and a
+    second backward after retain_graph=True adds it again) and from an owner RRef (a value
+    computed here from an RPC result). With no context an owner RRef runs torch's local
+    backward (.grad); a user RRef is refused in torch's words and nothing runs, as is a value
+    that is not a tensor, and a context the owner never saw is unknown there."""
     x = support.leaf(6, 5)
+    v = support.cotangent(9, x)
+    want = 2 * v * x.detach()
     with dgrpc.context() as cid:
-        rref = dgrpc.remote("worker1", F.squared_sum, args=(x,))
+        rref = dgrpc.remote("worker1", F.weighted_squared_sum, args=(x, v))
+        rref.backward(cid, retain_graph=True, mode=mode)
         rref.backward(cid, mode=mode)
-        H.assert_close(dgrpc.get_gradients(cid)[x], 2 * x.detach(), f"{mode}: RRef.backward")
-    local = dgrpc.remote("worker2", F.local_leaf_sum)
-    local.backward()
-    got = H.query("worker2", F.owner_leaf_grad)
+        H.assert_close(dgrpc.get_gradients(cid)[x], 2 * want, f"{mode}: user RRef, twice")
+    with dgrpc.context() as cid:
+        own = dgrpc.RRef(dgrpc.rpc_sync("worker1", F.weighted_squared_sum, args=(x, v)))
+        own.backward(cid, mode=mode)
+        H.assert_close(dgrpc.get_gradients(cid)[x], want, f"{mode}: owner RRef")
+    got = H.query("worker2", F.owner_rref_local_backward)
     H.assert_close(got, torch.full((3,), 3.0, dtype=torch.float64), f"{mode}: local backward")
+    user = dgrpc.remote("worker2", F.local_leaf_sum)
+    with pytest.raises(RuntimeError, match=r"^User RRefs require 'dist_autograd_ctx_id' to be"):
+        user.backward()
+    assert H.query("worker2", F.owner_leaf_grad) is None
+    text = dgrpc.remote("worker1", str, args=("foo",))
+    with dgrpc.context() as cid:
+        for not_a_tensor in (text, dgrpc.RRef("foo")):
+            with pytest.raises(RuntimeError, match=r"RRef should contain a tensor for \.backward"):
+                not_a_tensor.backward(cid, mode=mode)
+        with pytest.raises(
+            UnknownContextError, match=f"Could not find autograd context with id: {cid}"
+        ):
+            user.backward(cid, mode=mode)  # made outside the context, which worker2 never saw
 
 
 def _remote_module(mode: str) -> None:

@@ -21,6 +21,7 @@ __all__ = [
     "GradientMessage",
     "Lineage",
     "LineageQuery",
+    "RRefBackward",
     "Release",
     "Reply",
 ]
@@ -116,3 +117,17 @@ class AbortPass:
 
     context_id: int
     pass_id: int
+
+
+@_pickled_as_tuple
+@dataclass
+class RRefBackward:
+    """Run a distributed backward from the value of ``rref`` (torch's RRef) on its owner, the
+    receiver, in context ``context_id``, with ``budget`` seconds. Answer, once the pass is
+    over: ``None``, or the exception it raised there."""
+
+    rref: Any
+    context_id: int
+    retain_graph: bool
+    mode: str
+    budget: float

@@ -30,7 +30,8 @@ from distgrad.errors import RpcAutogradError
 from distgrad.rpc import _identity, _liveness, _release, _transport
 from distgrad.rpc._context import get_or_create, lookup
 from distgrad.rpc._local import use_process_threads
-from distgrad.rpc._wire import Envelope
+from distgrad.rpc._pass import HOP_MARGIN_S
+from distgrad.rpc._wire import Envelope, RRefBackward
 from distgrad.rpc.backward import backward
 from distgrad.rpc.send_recv import attach_recv, detach_for_send
 
@@ -190,15 +191,36 @@ class RRef(Generic[T]):
         *,
         mode: str = "fast",
     ) -> None:
-        """Run a backward from the value (a scalar) on its owner: a distributed backward in
-        context ``dist_autograd_ctx_id`` (``mode`` as in :func:`distgrad.rpc.backward`), or,
-        with the default ``-1``, torch's local ``backward`` there, as torch's ``RRef.backward``.
+        """Run a backward pass from the value, a tensor (a scalar), on its owner.
+
+        With a context id: a distributed backward in that context, started on the owner as
+        :func:`distgrad.rpc.backward` would be there (``mode`` as there); gradients land in
+        the context on every worker the pass reaches. The owner must know the context (the
+        value was made by a call in it, or a call in it reached the owner), as in torch.
+        With the default ``-1``: torch's local ``backward`` on the owner, which writes
+        ``.grad``; only for an RRef this worker owns. A user RRef needs a context id, as
+        torch's does. The value must be a tensor, else a ``RuntimeError`` in torch's words.
+
+        Cost: the backward's; from a user RRef, one more RPC to the owner, answered when the
+        pass is over.
         """
-        args = (self._rref, dist_autograd_ctx_id, retain_graph, mode)
         if self.is_owner():
-            _backward_on_owner(*args)
-        else:
-            rpc_sync(self.owner_name(), _backward_on_owner, args=args)
+            _backward_from(self.local_value(), dist_autograd_ctx_id, retain_graph, mode, None)
+            return
+        if dist_autograd_ctx_id == -1:
+            raise RpcAutogradError(
+                "User RRefs require 'dist_autograd_ctx_id' to be specified: the value lives on "
+                f"{self.owner_name()}, and a backward started from {_identity.worker_name()} "
+                "runs there in a distributed autograd context"
+            )
+        budget = _identity.rpc_timeout()
+        request = RRefBackward(self._rref, dist_autograd_ctx_id, retain_graph, mode, budget)
+        # Not a recorded call: the owner learns no context from it, as torch's RRefBackwardReq.
+        owner = self.owner_name()
+        fut = _transport.call_async(owner, _serve_rref_backward, (request,), budget + HOP_MARGIN_S)
+        failed: Exception | None = fut.wait()
+        if failed is not None:
+            raise failed
 
     def __repr__(self) -> str:
         return f"distgrad.rpc.RRef(owner={self.owner_name()!r})"
@@ -269,14 +291,32 @@ def _has_attribute(rref: torch_rpc.RRef[Any], name: str) -> bool:
     return hasattr(rref.local_value(), name)
 
 
-def _backward_on_owner(
-    rref: torch_rpc.RRef[Any], context_id: int, retain_graph: bool, mode: str
+def _serve_rref_backward(request: RRefBackward) -> Exception | None:
+    """On the owner: the backward a user RRef asked for (its budget is the sender's, less a
+    hop's margin, so a timeout is reported here first). Its error is the answer, not raised:
+    torch's RPC would hand the sender a RuntimeError for any type not built into Python
+    (``UnknownContextError: On WorkerInfo...``); the sender raises it with its type."""
+    budget = max(request.budget - HOP_MARGIN_S, 0.1)
+    try:
+        value = request.rref.local_value()
+        _backward_from(value, request.context_id, request.retain_graph, request.mode, budget)
+    except Exception as exc:
+        return exc
+    return None
+
+
+def _backward_from(
+    value: Any, context_id: int, retain_graph: bool, mode: str, timeout: float | None
 ) -> None:
-    value = rref.local_value()
+    if not isinstance(value, torch.Tensor):
+        raise RpcAutogradError(
+            "RRef should contain a tensor for .backward(), got a "
+            f"{type(value).__name__} on {_identity.worker_name()}"
+        )
     if context_id == -1:
-        value.backward(retain_graph=retain_graph)
+        torch.autograd.backward([value], retain_graph=retain_graph)
     else:
-        backward(context_id, [value], retain_graph, mode=mode)  # type: ignore[arg-type]
+        backward(context_id, [value], retain_graph, mode=mode, timeout=timeout)  # type: ignore[arg-type]
 
 
 def _local_value(rref: torch_rpc.RRef[T]) -> T:
