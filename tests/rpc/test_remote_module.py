@@ -1,9 +1,10 @@
 """A RemoteModule travels over RPC as torch's does (torch's test_send_remote_module_over_the_
 wire): passed to another worker by rpc_sync, rpc_async and remote, or returned from one, it
-arrives as a RemoteModule of the same module, whose forward runs on the module's worker; inside
-a context, a forward made on the receiver is recorded, and the gradients equal local
-autograd's (both modes). nn.Module's methods that would act on the local shell are refused
-in torch's words. Plain pickle and torch.save refuse it with torch's message, and an
+arrives as a RemoteModule of the same module, holding torch's attributes of a RemoteModule and
+nothing else, whose forward runs on the module's worker and whose train()/eval() set that
+module's mode; inside a context, a forward made on the receiver is recorded, and the gradients
+equal local autograd's (both modes). nn.Module's methods that would act on the local shell are
+refused in torch's words. Plain pickle and torch.save refuse it with torch's message, and an
 attribute added after construction stays behind (torch's test_send_remote_module_with_a_new_
 attribute_not_pickled_over_the_wire)."""
 
@@ -16,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 from torch import Tensor
+from torch.distributed.nn.api.remote_module import _REMOTE_MODULE_PICKLED_ATTRIBUTES
 
 import distgrad.rpc as dgrpc
 from distgrad.testing import run_on_ranks
@@ -37,7 +39,27 @@ def _forward_async_there(module: dgrpc.RemoteModule, x: Tensor) -> Tensor:
 
 
 def _attributes(module: dgrpc.RemoteModule) -> dict[str, Any]:
-    return {k: v for k, v in vars(module).items() if not k.startswith("_")}
+    return vars(module)
+
+
+def _eval_there(module: dgrpc.RemoteModule) -> bool:
+    """On the receiver: eval() sets the module's mode on its worker; what it answers there."""
+    module.eval()
+    return bool(dgrpc.rpc_sync(module.on, F.module_training, args=(module.module_rref.torch_rref,)))
+
+
+# What a received RemoteModule holds, in order: torch's pickled attributes of a RemoteModule,
+# then its two forward methods, bound to it (torch's test_send_remote_module_over_the_wire).
+_RECEIVED = [
+    "on",
+    "device",
+    "is_device_map_set",
+    "is_scriptable",
+    "generated_methods",
+    "module_rref",
+    "forward_async",
+    "forward",
+]
 
 
 def _made_there(module_rref: dgrpc.RRef[torch.nn.Module], x: Tensor) -> Tensor:
@@ -85,20 +107,22 @@ def _over_the_wire(rank: int, world_size: int) -> None:
     for i, g in enumerate(got):
         H.assert_close(g, want, f"forward on the receiver, path {i}")
     attrs = dgrpc.rpc_sync("worker2", _attributes, args=(layer,))
-    assert attrs == {
-        "training": True,
-        "on": "worker1",
-        "device": "cpu",
-        "is_device_map_set": False,
-        "is_scriptable": False,
-        "module_rref": attrs["module_rref"],
-    }, attrs
+    assert list(attrs) == _RECEIVED
+    assert [*_REMOTE_MODULE_PICKLED_ATTRIBUTES, "forward_async", "forward"] == _RECEIVED
+    assert (attrs["on"], attrs["device"], attrs["is_device_map_set"], attrs["is_scriptable"]) == (
+        "worker1",
+        "cpu",
+        False,
+        False,
+    )
+    assert attrs["module_rref"].owner_name() == "worker1"
+    H.assert_close(attrs["forward"](x), want, "the received forward, sent back")
     _refused_methods(layer)
     layer.new_attr = 1
     assert "new_attr" not in dgrpc.rpc_sync("worker2", _attributes, args=(layer,))
-    layer.eval()
-    assert dgrpc.rpc_sync("worker2", _attributes, args=(layer,))["training"] is False
+    assert dgrpc.rpc_sync("worker2", _eval_there, args=(layer,)) is False
     layer.train()
+    assert H.query("worker1", F.module_training, layer.get_module_rref().torch_rref) is True
     for save in (lambda: pickle.dumps(layer), lambda: torch.save(layer, io.BytesIO())):
         with pytest.raises(RuntimeError, match="Cannot pickle RemoteModule in python pickler"):
             save()

@@ -10,14 +10,18 @@ parameters there), ``forward_async`` an :func:`~distgrad.rpc.rpc_async`, and
 It travels over RPC as torch's does (an argument of ``rpc_sync``/``rpc_async``/``remote``, or
 in a returned value: the receiver gets a RemoteModule of the same module, usable there), by a
 reducer registered on torch's RPC pickler, which distgrad's calls use too; plain ``pickle`` and
-``torch.save`` refuse it with torch's message. Only its own attributes travel (which worker,
-the module's RRef, the training flag); one added after construction stays behind, as torch's.
+``torch.save`` refuse it with torch's message. Only torch's own attributes of a RemoteModule
+travel (which worker, the module's RRef, ...); one added after construction stays behind, and
+the received module holds those attributes and its two forward methods, nothing else, as
+torch's: no nn.Module state, so calling it runs ``forward`` directly.
 
 Cost: creating one is one RPC; each forward is one RPC (a round trip).
 """
 
 from __future__ import annotations
 
+import types
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -39,6 +43,7 @@ class RemoteModule(nn.Module):
     device: str
     is_device_map_set: bool
     is_scriptable: bool
+    generated_methods: tuple[Callable[..., Any], ...]
     module_rref: RRef[nn.Module]
 
     def __init__(
@@ -58,12 +63,19 @@ class RemoteModule(nn.Module):
         self._describe(worker, remote(worker, _instantiate, (module_cls, args or (), kwargs or {})))
 
     def _describe(self, worker: str, module_rref: RRef[nn.Module]) -> None:
-        # torch's RemoteModule's attributes that a program may read, with their values here.
+        # torch's RemoteModule's own attributes, in torch's order, with their values here: what
+        # travels over RPC, and all a received RemoteModule holds. The instance holds its
+        # forward methods too, bound to it, as torch's does (torch's test of a module sent
+        # over the wire lists the received one's attributes, these included).
         self.on = worker
         self.device = "cpu"
         self.is_device_map_set = False
         self.is_scriptable = False
+        self.generated_methods = (type(self).forward_async, type(self).forward)
         self.module_rref = module_rref
+        method: Callable[..., Any]
+        for method in self.generated_methods:
+            setattr(self, method.__name__, types.MethodType(method, self))
 
     @staticmethod
     def init_from_module_rref(
@@ -84,8 +96,16 @@ class RemoteModule(nn.Module):
         )
         return made
 
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """``forward``: through nn.Module's call (and its global hooks) on the worker that made
+        this RemoteModule; directly on one received over RPC, which has no nn.Module state."""
+        if "_forward_hooks" in self.__dict__:
+            return super().__call__(*args, **kwargs)
+        return self.forward(*args, **kwargs)
+
     def train(self, mode: bool = True) -> RemoteModule:
-        """Set the remote module's training mode (one RPC), as torch's RemoteModule does."""
+        """Set the remote module's training mode (one RPC), as torch's RemoteModule does;
+        ``training`` here records the mode this RemoteModule last set."""
         rpc_sync(self._owner(), _set_training, (self.module_rref.torch_rref, mode))
         self.training = mode
         return self
@@ -190,14 +210,16 @@ for _name in _REFUSED:
 
 
 def _reduce(module: RemoteModule) -> tuple[Any, tuple[Any, ...]]:
-    """How a RemoteModule travels over RPC: which worker, its module's (torch) RRef, which the
-    RPC pickler sends as torch sends any RRef, and the training flag."""
-    return _receive, (module.on, module.module_rref.torch_rref, module.training)
+    """How a RemoteModule travels over RPC: which worker, and its module's (torch) RRef, which
+    the RPC pickler sends as torch sends any RRef; its other attributes are constants here."""
+    return _receive, (module.on, module.module_rref.torch_rref)
 
 
-def _receive(on: str, module_rref: torch_rpc.RRef[nn.Module], training: bool) -> RemoteModule:
-    made = RemoteModule.init_from_module_rref(on, module_rref)
-    made.training = training
+def _receive(on: str, module_rref: torch_rpc.RRef[nn.Module]) -> RemoteModule:
+    # As torch's receiver: the RemoteModule's own attributes, no nn.Module state (its hooks,
+    # parameters and flags belong to the worker that made it, and the module is elsewhere).
+    made: RemoteModule = object.__new__(RemoteModule)
+    made._describe(on, RRef._wrap(module_rref))
     return made
 
 
