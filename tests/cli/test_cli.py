@@ -105,6 +105,21 @@ def test_check_exits_1_with_a_diagnosis_on_a_mismatch(capsys: pytest.CaptureFixt
     assert "MISMATCH" in out and "Diagnosis:" in out
 
 
+def test_check_simulate_gives_the_same_report_in_one_process(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """--simulate: every rank in this process; the same verdicts and diagnoses as processes,
+    and what cannot be simulated is a bad argument (exit 2) that says to drop --simulate."""
+    code, out, err = in_process(capsys, "check", f"{EXAMPLE}:info_nce", "--simulate")
+    assert code == 0 and "AGREE" in out, out + err
+    code, out, _ = in_process(capsys, "check", f"{EXAMPLE}:info_nce_naive", "--simulate")
+    assert code == 1 and "misses the terms that flow through other ranks" in out
+    code, _, err = in_process(
+        capsys, "check", f"{EXAMPLE}:info_nce", "--simulate", "--shard-sizes", "5,3"
+    )
+    assert code == 2 and "drop simulate=True" in err, err
+
+
 def test_check_takes_uneven_shard_sizes_and_tolerances(capsys: pytest.CaptureFixture[str]) -> None:
     """A global loss is right on any shards; the example's even-shard offsets are not."""
     code, out, err = in_process(

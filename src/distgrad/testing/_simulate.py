@@ -123,6 +123,8 @@ def _one_run(body: Callable[[], list[_R]], run: _Run, who: str) -> tuple[_Run, l
             raise
         except Refused:
             raise
+        except NotImplementedError as exc:  # LocalTensorMode has no rule for this op
+            raise Refused(f"LocalTensorMode does not simulate it ({exc})") from exc
         except Exception as exc:  # after an answer, maybe only the other slots' data failed
             if run.answered:
                 raise _path_failed(run, exc) from exc

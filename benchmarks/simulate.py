@@ -1,0 +1,250 @@
+"""The checker simulated (every rank in this process, LocalTensorMode) against on processes.
+
+Two checks, each timed both ways in the same process, in a shuffled order every round:
+
+* the README's example: ``check_against_single_process(info_nce, {"q", "k"}, world_size=2)``
+  (examples/check_info_nce.py:info_nce), in Python: the call's wall time;
+* ``distgrad check examples/check_info_nce.py:info_nce`` as a user runs it, a new Python
+  process each time: the command's wall time, torch's import included.
+
+Reported: the median of the paired ratios (simulated over processes, same round) and each
+side's median, per run; then the range over runs. Writes benchmarks/results/simulate.md.
+
+    .venv/bin/python benchmarks/simulate.py [--rounds 10] [--runs 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import distgrad as dg
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def info_nce(q: torch.Tensor, k: torch.Tensor, temperature: float = 0.1) -> torch.Tensor:
+    """The README's example, as it is written there."""
+    q, k = F.normalize(q, dim=1), F.normalize(k, dim=1)
+    keys = dg.all_gather(k)
+    logits = q @ keys.T / temperature
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    labels = torch.arange(len(q)) + rank * len(q)
+    return F.cross_entropy(logits, labels)
+
+
+def _readme_inputs() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(8, 16, dtype=torch.float64, generator=g) for _ in range(2))
+    return {"q": q, "k": k}
+
+
+def _python_check(simulate: bool) -> float:
+    started = time.perf_counter()
+    report = dg.testing.check_against_single_process(
+        info_nce, _readme_inputs(), world_size=2, simulate=simulate
+    )
+    assert report.ok, str(report)
+    return time.perf_counter() - started
+
+
+def _cli_check(simulate: bool) -> float:
+    command = [sys.executable, "-m", "distgrad", "check", "examples/check_info_nce.py:info_nce"]
+    started = time.perf_counter()
+    done = subprocess.run(
+        [*command, *(["--simulate"] if simulate else [])],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    return time.perf_counter() - started
+
+
+def _one_run(rounds: int) -> dict[str, tuple[float, float, float]]:
+    """{check: (median ratio, median simulated s, median processes s)}."""
+    out = {}
+    for name, timed in (("README example (Python)", _python_check), ("distgrad check", _cli_check)):
+        timed(True), timed(False)  # warm: the forkserver, the imports
+        ratios, sims, procs = [], [], []
+        for _ in range(rounds):
+            order = [True, False]
+            random.shuffle(order)
+            seconds = {simulate: timed(simulate) for simulate in order}
+            sims.append(seconds[True])
+            procs.append(seconds[False])
+            ratios.append(seconds[True] / seconds[False])
+        out[name] = (statistics.median(ratios), statistics.median(sims), statistics.median(procs))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--runs", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    runs = [_one_run(args.rounds) for _ in range(args.runs)]
+    load = os.getloadavg()[0]
+    lines = [
+        "# The checker simulated against on processes",
+        "",
+        f"`benchmarks/simulate.py --rounds {args.rounds} --runs {args.runs}`: torch "
+        f"{torch.__version__}, {os.cpu_count()} cores, load average {load:.2f} at the end "
+        "(the machine was shared with another engineer's work). Each round times both ways "
+        "in a shuffled order; a ratio is simulated over processes in the same round "
+        "(below 1: the simulation is faster).",
+        "",
+        "| check (2 ranks) | run | median ratio | simulated (s) | processes (s) |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for name in runs[0]:
+        for i, run in enumerate(runs):
+            ratio, sim, proc = run[name]
+            lines.append(f"| {name} | {i + 1} | {ratio:.3f} | {sim:.3f} | {proc:.3f} |")
+    lines.append("")
+    for name in runs[0]:
+        ratios = [run[name][0] for run in runs]
+        lines.append(
+            f"- {name}: simulated / processes {min(ratios):.3f}-{max(ratios):.3f} over "
+            f"{len(runs)} runs ({1 / max(ratios):.1f}x-{1 / min(ratios):.1f}x faster)."
+        )
+    text = "\n".join(lines) + "\n"
+    (ROOT / "benchmarks" / "results" / "simulate.md").write_text(text)
+    print(text)
+
+
+# ---------------------------------------------------------------------------------------------
+# What simulates: `--support` checks each pattern simulated and on processes and says whether
+# the verdicts are the same, or why the simulation refused (docs/checker.md quotes the table).
+
+_W = torch.randn(64, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _weights(x: torch.Tensor) -> torch.Tensor:
+    return _W[: x.shape[0], : x.shape[1]]
+
+
+def p_all_gather(x: torch.Tensor) -> torch.Tensor:
+    return (dg.all_gather(x) * _weights(dg.all_gather(x))).sum()
+
+
+def p_all_gather_async(x: torch.Tensor) -> torch.Tensor:
+    y = dg.all_gather(x, async_op=True)
+    return (y * _W[:8, : x.shape[1]]).sum()
+
+
+def _reduced(x: torch.Tensor, op: str) -> torch.Tensor:
+    return (dg.all_reduce(x.sum(0, keepdim=True), op) * _W[:1, : x.shape[1]]).sum()
+
+
+def p_all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
+    return _reduced(x, "sum")
+
+
+def p_all_reduce_avg(x: torch.Tensor) -> torch.Tensor:
+    return _reduced(x, "avg")
+
+
+def p_all_reduce_max(x: torch.Tensor) -> torch.Tensor:
+    return _reduced(x, "max")
+
+
+def p_reduce_scatter(x: torch.Tensor) -> torch.Tensor:
+    full = dg.all_gather(x)
+    return (dg.reduce_scatter(full * _weights(full)) * x).sum()
+
+
+def p_all_to_all(x: torch.Tensor) -> torch.Tensor:
+    return (dg.all_to_all(x) * _weights(x)).sum()
+
+
+def p_broadcast(x: torch.Tensor) -> torch.Tensor:
+    return (dg.broadcast(x, 0) * _weights(x)).sum()
+
+
+def p_reduce(x: torch.Tensor) -> torch.Tensor:
+    return (dg.reduce(x, 0) * _weights(x)).sum()
+
+
+def p_gather(x: torch.Tensor) -> torch.Tensor:
+    out = dg.gather(x, 0)
+    return (out * _weights(out)).sum() if out is not None else (x * 0).sum()
+
+
+def p_scatter(x: torch.Tensor) -> torch.Tensor:
+    full = dg.all_gather(x)
+    return (dg.scatter(full, 0) * _weights(x)).sum()
+
+
+def p_permute(x: torch.Tensor) -> torch.Tensor:
+    perm = [(r + 1) % _world() for r in range(_world())]
+    return (dg.permute(x, perm) * _weights(x)).sum()
+
+
+def p_sub_group(x: torch.Tensor) -> torch.Tensor:
+    if not dist.is_initialized():
+        return (x * _weights(x)).sum()
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
+    return (dg.all_gather(x, group=(mesh, "b")) ** 2).sum()
+
+
+def p_info_nce_loss(x: torch.Tensor) -> torch.Tensor:
+    return dg.losses.info_nce(x, x.flip(1))
+
+
+def p_info_nce_ring(x: torch.Tensor) -> torch.Tensor:
+    return dg.losses.info_nce(x, x.flip(1), block_size=2)
+
+
+def support() -> None:
+    import warnings
+
+    warnings.simplefilter("ignore")
+    x = {"x": torch.randn(8, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))}
+    cases = [p_all_gather, p_all_gather_async, p_reduce_scatter, p_all_to_all, p_broadcast]
+    cases += [p_reduce, p_gather, p_scatter, p_permute, p_info_nce_loss, p_info_nce_ring]
+    cases += [p_all_reduce_sum, p_all_reduce_avg, p_all_reduce_max, p_sub_group]
+    for fn in cases:
+        world = 4 if fn is p_sub_group else 2
+        try:
+            simulated = dg.testing.check_against_single_process(
+                fn, x, world_size=world, simulate=True
+            )
+        except Exception as exc:
+            print(f"| `{fn.__name__[2:]}` | refused: {str(exc).split(': ', 2)[-1][:160]} |")
+            continue
+        try:
+            processes = dg.testing.check_against_single_process(fn, x, world_size=world)
+        except Exception as exc:
+            print(f"| `{fn.__name__[2:]}` | processes raised {type(exc).__name__} |")
+            continue
+        same = (simulated.ok, simulated.diagnoses) == (processes.ok, processes.diagnoses)
+        verdict = "AGREE" if simulated.ok else "MISMATCH"
+        print(f"| `{fn.__name__[2:]}` | {'same' if same else 'DIFFERENT'} verdict ({verdict}) |")
+
+
+if __name__ == "__main__" and "--support" in sys.argv:
+    support()
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()
