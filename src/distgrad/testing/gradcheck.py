@@ -106,6 +106,12 @@ def check_against_single_process(
     Tolerances default to ``rtol=1e-7, atol=1e-10`` for float64 inputs and ``rtol=1e-4,
     atol=1e-6`` otherwise (the ranks reduce in a different order than one process does).
 
+    ``simulate=True`` runs every rank in this process (torch's ``LocalTensorMode`` over a
+    fake process group) instead of starting processes: the same report, or
+    :class:`~distgrad.errors.CheckArgumentError` for code that cannot be simulated truthfully
+    (uneven shards, a Python decision whose per-rank runs disagree, an op LocalTensorMode has
+    no rule for); docs/checker.md lists what simulates.
+
     Returns a :class:`GradReport`; with ``raise_on_mismatch=True`` a mismatch raises
     :class:`~distgrad.errors.GradientMismatchError` with the report's table and diagnosis.
     Arguments it cannot use raise :class:`~distgrad.errors.CheckArgumentError`, and a function
