@@ -55,9 +55,15 @@ def _configure(setting: str) -> None:
         aten = config.aten_distributed_optimizations
         aten.enable_overlap_scheduling = True
         # On a CPU without triton torch's estimators cannot run (a torch limit, the same for a
-        # step of funcol alone): the scheduler takes a given estimate and no fusion regions.
+        # step of funcol alone): the scheduler takes a given estimate and no fusion regions,
+        # and its roofline model of a matmul, which it computes first whatever the estimate,
+        # gets rough figures for this CPU instead of asking triton for a GPU's.
         aten.custom_runtime_estimation = _cpu_estimate
         aten.enable_fusion_regions = False
+        import torch.utils._runtime_estimation as roofline
+
+        roofline.get_gpu_dram_gbps = lambda: 20  # type: ignore[attr-defined]
+        roofline.get_device_tflops = lambda dtype: 0.1  # type: ignore[attr-defined]
 
 
 def _eager_and_compiled(step: Any, inputs: list[Tensor], backend: str) -> list[float]:
@@ -143,17 +149,19 @@ def test_dtensor_and_distgrad_exchanges_with_rank_dependent_sizes_in_one_graph(
 
 def _dropped_gather_and_independent_exchanges(rank: int, n: int, setting: str) -> list[float]:
     """Two reasons the order token existed. (1) Off the destination a gather's result is an
-    empty slice no output uses: dead-code elimination must not remove the exchange there, or
-    the destination waits forever. (2) Independent exchanges whose buffers have rank-dependent
-    sizes: a scheduler that ordered them by size would order them differently on each rank."""
+    empty slice, so no node uses the exchange's output there: dead-code elimination must not
+    remove the exchange, or the destination waits forever. (2) Independent exchanges whose
+    buffers have rank-dependent sizes: a scheduler that ordered them by size would order them
+    differently on each rank."""
     _configure(setting)
     sizes = [1, 30, 5][:n]
     ring = [(r + 1) % n for r in range(n)]
     back = ring.index(rank)
 
     def step(x: Tensor, y: Tensor) -> Tensor:
-        gathered = dg.gather(y, 0, sizes=sizes)
-        loss = gathered.square().sum() if rank == 0 else x.sum() * 0  # others drop it
+        # Off rank 0 the result has no rows: made from nothing, the exchange's own output
+        # is used by no node there (every rank still back-propagates through the call).
+        loss = dg.gather(y, 0, sizes=sizes).square().sum()
         a = dg.all_gather(y, sizes=sizes)  # [36, 4]
         b = dg.permute(y, ring, recv_shape=(sizes[back], 4))
         c = dg.all_reduce(x)

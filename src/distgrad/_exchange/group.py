@@ -24,7 +24,7 @@ from distgrad import _mesh
 from distgrad._exchange import alive as _alive
 from distgrad.errors import CollectiveArgumentError
 
-__all__ = ["Group", "ProcessGroup", "forget_destroyed", "on_forget", "resolve", "resolve_named"]
+__all__ = ["Group", "ProcessGroup", "forget_destroyed", "on_forget", "resolve"]
 
 ProcessGroup = dist.ProcessGroup
 
@@ -96,22 +96,6 @@ def resolve(group: object, op: str = "collective") -> Group:
     return found
 
 
-def resolve_named(name: str) -> Group:
-    """The group registered under ``name`` (as torch's functional collectives name groups):
-    what a custom op's kernel gets, on every exchange of a compiled step, so one dictionary
-    access once seen."""
-    found = _by_name.get(name)
-    if found is None:
-        pg = dist.distributed_c10d._resolve_process_group(name)  # type: ignore[attr-defined,arg-type]
-        found = _by_name[name] = resolve(pg)
-    return found
-
-
-# Groups by registered name (resolve_named), forgotten with the groups: torch reuses names
-# after a destroy.
-_by_name: dict[str, Group] = {}
-
-
 def _describe(pg: ProcessGroup) -> Group:
     rank = dist.get_rank(pg)
     if rank < 0:
@@ -176,7 +160,6 @@ def forget_destroyed() -> None:
 
 
 def _forget(groups: list[Group], world_gone: bool) -> None:
-    _by_name.clear()
     if world_gone:
         _alive.forget()
     for hook in _forget_hooks:

@@ -34,6 +34,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal, TypeVar
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from distgrad._exchange import ops
@@ -145,6 +146,9 @@ def _next_call(group: Group) -> int:
 
 
 Shapes = Literal["equal", "except_dim", "free"]
+
+# Every Signature by its op's name: a traced call's constant checks take names, not objects.
+_SIGNATURES: dict[str, Signature] = {}
 _T = TypeVar("_T")
 
 
@@ -207,6 +211,7 @@ class Signature:
 
     def __post_init__(self) -> None:
         named(self.op)  # so that every rank can name this op when a peer calls it
+        _SIGNATURES[self.op] = self  # so that a traced call's checks can find it by name
         typed = tuple(f for f in self.lists if not isinstance(f, str))
         object.__setattr__(self, "_typed_lists", typed)
         object.__setattr__(self, "_arguments", (*self.fields, *typed))
@@ -224,7 +229,11 @@ class Signature:
         (with the plan its op kept on it), and only counts and notes the call (``_LEAN``).
         """
         key = hit = None
-        if not _is_compiling():
+        if _is_compiling():
+            constant = _bound_constant(self, group, x, passed)
+            if constant is not None:
+                return constant
+        else:
             key = _lean_key(self, group, x, passed)
             try:
                 hit = _LEAN.get(key)
@@ -477,6 +486,84 @@ def assume_alike(desc: str, group: Group, values: Sequence[int], known_by: str) 
         f"distgrad {desc}: inside torch.compile, a call without {known_by} takes every rank's "
         f"sizes to be alike, and they are not; pass {known_by}",
     )
+
+
+# Inside torch.compile a call's checks run once, while the step is traced, as a constant of the
+# graph (torch._dynamo.assume_constant_result), not traced: traced, the fields, the signature
+# and the group left about 140 guard lines for dynamo to check before every run of the step,
+# half of a compiled all_reduce's. What they read is what makes the key of the lean path (the
+# group, the arguments, the tensor's type, shape, dtype, device and requires_grad, grad mode):
+# the constant's inputs, so a change to any of them traces anew. Calls whose arguments are not
+# plain constants (a DeviceMesh, a ReduceOp, symbolic sizes) are checked traced, as before.
+_CONSTANT_TYPES = (int, str, bool, float, type(None), torch.dtype, torch.device)
+
+
+def _bound_constant(
+    signature: Signature, group: object, x: object, passed: dict[str, Any]
+) -> Bound | None:
+    """The Bound of a traced call, from its checks run once as a constant; None where the call
+    is not made of constants (then ``bind`` traces its checks)."""
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        return None
+    if x is None:
+        meta = None
+    elif type(x) is Tensor and all(type(d) is int for d in x.shape):
+        meta = (tuple(x.shape), x.dtype, x.device, x.requires_grad, torch.is_grad_enabled())
+    else:
+        return None
+    items = []
+    for name, value in passed.items():
+        if type(value) in (list, tuple):
+            if not all(type(v) is int for v in value):
+                return None
+            value = tuple(value)
+        elif type(value) not in _CONSTANT_TYPES:
+            return None
+        items.append((name, value))
+    checked = _checked_once(signature.op, group, meta, tuple(items))
+    if checked is None:  # its output's shape depends on its peers'
+        break_for_sizes(signature.describe(passed), signature.known_by)
+    group_, desc, values, problem = checked
+    if problem is not None:  # raised here, in the trace, as the eager call raises it
+        raise CollectiveArgumentError(problem)
+    return Bound(group_, desc, None, dict(values))
+
+
+def _check_alone(
+    op: str, group: object, meta: Any, items: tuple[tuple[str, Any], ...]
+) -> tuple[Group, str, tuple[tuple[str, Any], ...], str | None] | None:
+    """A traced call's checks, on this rank alone, run outside the trace: its group, its
+    description, its checked values and its problem (the message to raise); None where its
+    output's shape depends on its peers'."""
+    signature = _SIGNATURES[op]
+    passed = dict(items)
+    x = None
+    if meta is not None:
+        shape, dtype, device, requires_grad, _ = meta
+        # A stand-in with x's type, shape, dtype, device and requires_grad (one element).
+        x = torch.empty(1, dtype=dtype, device=device, requires_grad=requires_grad)
+        x = x.expand(shape) if shape else x.view(())
+    with torch.set_grad_enabled(meta is not None and meta[4]):
+        g = resolve(group, signature.op)
+        args = Args(g, x, passed, signature.tensor_on == "some", {})
+        values = args.values
+        problem = None
+        for field in signature._arguments:
+            if problem is None:
+                values[field.name], problem = field.local(passed[field.name], args)
+            else:
+                values[field.name] = None
+        desc = signature.describe(passed)
+        problem = problem or _tensor_problem(x, signature.tensor_on)
+        known = all(f.known(passed) for f in signature._typed_lists)
+        if not known and not signature.assumes_alike:
+            return None
+        if problem is not None:
+            problem = f"{desc} on rank {g.rank}: {problem}"
+    return g, desc, tuple(values.items()), problem
+
+
+_checked_once = torch._dynamo.assume_constant_result(_check_alone)  # type: ignore[no-untyped-call]
 
 
 def break_for_sizes(desc: str, known_by: str) -> None:
