@@ -248,3 +248,40 @@ def _overlapped(rank: int, n: int) -> list[int]:
 def test_the_overlap_scheduler_places_a_distgrad_wait_after_independent_compute() -> None:
     for start, matmul, wait in run_on_ranks(_overlapped, 2, timeout=240):
         assert start < matmul < wait, (start, matmul, wait)
+
+
+def _exchanges_in(fn: Any, *args: Tensor) -> int:
+    """The c10d collectives one call of ``fn`` starts, from the profiler's events."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn(*args)
+    return sum(1 for e in prof.events() if e.name.startswith("c10d::"))
+
+
+def _forward_exchanges(rank: int, n: int) -> dict[str, int]:
+    """Each compiled forward alone (no backward), counted: a backward exchange computed from
+    the inputs alone would be hoisted into the forward by AOTAutograd's partitioner, and kept
+    there beside its copy in the backward."""
+    gen = seeded(30 + rank)
+    rows = [6] * n
+    a = torch.randn(6, 4, dtype=torch.float64, generator=gen, requires_grad=True)
+    b = torch.randn(6, 4, dtype=torch.float64, generator=gen, requires_grad=True)
+    steps = {
+        "siglip_loss, ring": lambda a, b: dg.losses.siglip_loss(a, b, sizes=rows, block_size=2),
+        "clip_loss, ring": lambda a, b: dg.losses.clip_loss(a, b, sizes=rows, block_size=2),
+        "gather": lambda a, b: dg.gather(a, 0, sizes=[6] * n).sum() + b.sum(),
+    }
+    found = {}
+    for name, step in steps.items():
+        torch._dynamo.reset()
+        compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+        compiled(a, b).backward()  # compiled, forward and backward
+        found[name] = _exchanges_in(compiled, a, b)
+    return found
+
+
+def test_a_compiled_forward_runs_no_exchange_of_its_backward() -> None:
+    """Semantics: the exchanges of a compiled forward are its own. On 2 ranks, sizes given:
+    SigLIP's ring shifts its keys once and all_reduces its loss; CLIP's ring shifts twice (W
+    shifts) and all_reduces; a gather is one all_to_all."""
+    for found in run_on_ranks(_forward_exchanges, 2, timeout=120):
+        assert found == {"siglip_loss, ring": 2, "clip_loss, ring": 3, "gather": 1}, found

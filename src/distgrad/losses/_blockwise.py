@@ -191,15 +191,22 @@ def _reduce_backward(
     a: Tensor, k: Tensor, scale: Tensor, bias: Tensor, out: Tensor, grad: Tensor, plan: _Plan
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The forward's ring again, each copy of the keys travelling with a gradient accumulator
-    ([M, 2D]) that every rank it visits adds to; after the last step each accumulator goes
-    straight home (one exchange), where the owner adds both to its own part."""
+    ([M, 2D]) that every rank it visits adds to (the copy going right starts with this rank's
+    own part); after the last step each accumulator goes straight home (one exchange), where
+    the owner adds them up."""
     g, width, dim = plan.group, max(plan.rows), k.shape[1]
     sums = torch.zeros_like(a), torch.zeros_like(scale), torch.zeros_like(bias)
     padded = F.pad(k, (0, 0, 0, width - k.shape[0]))
-    mine = torch.cat([padded, torch.zeros_like(padded)], 1)  # [M, 2D]: keys | accumulator
-    _backward_block(a, mine, len(k), scale, bias, out, grad, plan, True, sums)
-    travelling = torch.cat([padded, torch.zeros_like(padded)], 1)  # the copies start at zero
-    copies = {"right": travelling, "left": travelling}
+    # [M, 2D]: keys | accumulator. This rank's own part goes into the accumulator of the copy
+    # that travels right and comes home with the others' parts. So the first shift carries
+    # what the incoming gradient made: in a compiled step, a shift computed from the keys
+    # alone would be hoisted into the forward graph by the partitioner, its result kept alive
+    # until the backward (and run again there).
+    right = torch.cat([padded, torch.zeros_like(padded)], 1)
+    _backward_block(a, right, len(k), scale, bias, out, grad, plan, True, sums)
+    copies = {"right": right}
+    if plan.left_steps:  # the copy travelling left starts at zero
+        copies["left"] = torch.cat([padded, torch.zeros_like(padded)], 1)
     for step in range(1, plan.right_steps + 1):
         sides, moving = _travel(copies, step, plan)
         landed = dict(zip(sides, moving.wait(), strict=True))
@@ -207,8 +214,8 @@ def _reduce_backward(
         for side, held in landed.items():
             owner = plan.owner(side, step)
             _backward_block(a, held, plan.rows[owner], scale, bias, out, grad, plan, False, sums)
-    dk = mine[: len(k), dim:]
-    if g.size > 1:  # each travelled accumulator goes home; this rank's two come back
+    dk = right[: len(k), dim:]
+    if g.size > 1:  # each travelled accumulator goes home; this rank's one or two come back
         sends, recvs = [], []
         for side, steps in (("right", plan.right_steps), ("left", plan.left_steps)):
             if steps:
@@ -216,8 +223,8 @@ def _reduce_backward(
                 recvs.append(
                     ((width, dim), plan.owner("left" if side == "right" else "right", steps))
                 )
-        for home in start_shift(sends, recvs, g).wait():
-            dk = dk + home[: len(k)]
+        homes = start_shift(sends, recvs, g).wait()
+        dk = homes[0][: len(k)] if len(homes) == 1 else homes[0][: len(k)] + homes[1][: len(k)]
     return sums[0], dk.contiguous(), sums[1], sums[2]
 
 
