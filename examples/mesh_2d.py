@@ -66,8 +66,10 @@ def make_batch() -> tuple[Tensor, Tensor]:
 
 
 def loss_fn(model: nn.Module, image: Tensor, text: Tensor, mesh: Any = None) -> Tensor:
-    """CLIP's loss over the global batch: ``mesh`` is None in the one-process reference."""
-    group = None if mesh is None else mesh["dp"]
+    """CLIP's loss over the global batch: ``mesh`` is None in the one-process reference.
+    (The ``(mesh, "dp")`` form rather than ``mesh["dp"]``: a submesh made inside a function
+    compiled with inductor is a node inductor cannot lower, in torch 2.13.)"""
+    group = None if mesh is None else (mesh, "dp")
     return dg.losses.clip_loss(model(image), model(text), group=group)
 
 
