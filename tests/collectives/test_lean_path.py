@@ -9,6 +9,8 @@ destroyed group's call shapes are forgotten (a new default group is used, not th
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -67,3 +69,22 @@ def _alone(rank: int, world_size: int) -> None:
 
 def test_a_group_of_one_reuses_a_call_shape_checks_too() -> None:
     run_on_ranks(_alone, 1)
+
+
+def _before_and_after_init(rank: int, world_size: int, rendezvous: str) -> list[float]:
+    x = torch.full((4,), float(rank + 1))
+    alone = float(dg.all_reduce(x)[0])  # no process group yet: this process alone
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world_size)
+    try:
+        together = float(dg.all_reduce(x)[0])  # the same call shape, now on the default group
+    finally:
+        dist.destroy_process_group()
+    return [alone, together]
+
+
+def test_a_call_shape_seen_alone_is_not_reused_once_a_group_exists(tmp_path: Path) -> None:
+    """Semantics: before ``init_process_group`` a call is this process's alone (its own value);
+    after it, the same call shape sums over the default group: 1 + 2."""
+    rendezvous = f"file://{tmp_path / 'store'}"
+    results = run_on_ranks(_before_and_after_init, 2, args=(rendezvous,), init="none")
+    assert results == [[1.0, 3.0], [2.0, 3.0]]

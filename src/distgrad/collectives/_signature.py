@@ -242,12 +242,15 @@ class Signature:
             if hit is not None:
                 g = hit.group
                 if g.size == 1:  # never checked across ranks, nor counted (check())
-                    return hit
-                call = _calls.get(g.key, 0)
-                if call >= CHECKED_CALLS and not debug_enabled():
-                    _calls[g.key] = call + 1
-                    note_call(hit.desc, call, g)
-                    return hit
+                    # Seen alone (no process group): reused unless a group was made since.
+                    if g.pg is not None or not dist.is_initialized():
+                        return hit
+                else:
+                    call = _calls.get(g.key, 0)
+                    if call >= CHECKED_CALLS and not debug_enabled():
+                        _calls[g.key] = call + 1
+                        note_call(hit.desc, call, g)
+                        return hit
         g = resolve(group, self.op)
         arguments, typed_lists = self._arguments, self._typed_lists
         assert len(passed) == len(arguments) == len(self.fields) + len(self.lists), self.op
