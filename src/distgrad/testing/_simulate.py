@@ -22,7 +22,7 @@ silently follow rank 0's path: a wrong answer. Here:
   group with the same arguments, and each slot sending the same data in every run as in its
   own rank's run. By induction over the collectives every slot then receives what it would
   on processes, so each rank's results are its true ones; if any collective differs, the
-  check is refused (``Refused``), never answered.
+  check is refused (``_Refused``), never answered.
 * The fake group is made with ``error_on_collective``: a collective that LocalTensorMode did
   not intercept raises instead of returning the fake group's invented result. A plain tensor
   (one Python value, so the same in every slot) in a collective is lifted to a LocalTensor of
@@ -43,16 +43,16 @@ from torch import Tensor
 from torch.utils import _pytree
 
 from distgrad._exchange import group as _group
-from distgrad.errors import CheckArgumentError
+from distgrad.errors import CheckArgumentError, DistgradError
 
-__all__ = ["DROP", "Refused", "local", "per_rank", "run_simulated", "stacked"]
+__all__ = ["DROP", "local", "per_rank", "run_simulated", "stacked"]
 
 DROP = "drop simulate=True (distgrad check: without --simulate) to check it on processes"
 
 _R = TypeVar("_R")
 
 
-class Refused(Exception):
+class _Refused(DistgradError):
     """What the simulation cannot answer truthfully (internal: the caller words the error)."""
 
 
@@ -93,7 +93,7 @@ def run_simulated(body: Callable[[], list[_R]], world_size: int, who: str) -> li
             kept.append(results[rank])
         _check_runs(runs)
         return kept
-    except Refused as exc:
+    except _Refused as exc:
         raise CheckArgumentError(
             f"{who}: simulate=True cannot check this code: {exc}; {DROP}"
         ) from exc
@@ -109,22 +109,22 @@ def _one_run(body: Callable[[], list[_R]], run: _Run, who: str) -> tuple[_Run, l
             return run, body()
         except RuntimeError as exc:
             if "error_on_collective" in str(exc):
-                raise Refused(
+                raise _Refused(
                     "a collective reached the fake process group without passing through "
                     f"LocalTensorMode ({exc})"
                 ) from exc
             if "LocalRunnerMode is not enabled" in str(exc):
-                raise Refused(
+                raise _Refused(
                     "a point-to-point send or receive (LocalTensorMode simulates those only "
                     "with threads per rank, LocalRunnerMode)"
                 ) from exc
             if run.answered:
                 raise _path_failed(run, exc) from exc
             raise
-        except Refused:
+        except _Refused:
             raise
         except NotImplementedError as exc:  # LocalTensorMode has no rule for this op
-            raise Refused(f"LocalTensorMode does not simulate it ({exc})") from exc
+            raise _Refused(f"LocalTensorMode does not simulate it ({exc})") from exc
         except Exception as exc:  # after an answer, maybe only the other slots' data failed
             if run.answered:
                 raise _path_failed(run, exc) from exc
@@ -133,10 +133,10 @@ def _one_run(body: Callable[[], list[_R]], run: _Run, who: str) -> tuple[_Run, l
             _run = None
 
 
-def _path_failed(run: _Run, exc: BaseException) -> Refused:
+def _path_failed(run: _Run, exc: BaseException) -> _Refused:
     """An error once the slots follow rank ``run.rank``'s path: maybe only because another
     rank's data cannot take that path (uneven shards), so no answer, not the user's error."""
-    return Refused(
+    return _Refused(
         f"the ranks take different Python paths (a per-rank value was needed as one Python "
         f"value), and following rank {run.rank}'s path on every rank's data failed: "
         f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
@@ -149,7 +149,7 @@ def _check_runs(runs: Sequence[_Run]) -> None:
     own = {run.rank: run for run in runs}
     for run in runs:
         if [c[0] for c in run.calls] != [c[0] for c in runs[0].calls]:
-            raise Refused(
+            raise _Refused(
                 f"the ranks take different paths through the code: rank {run.rank}'s "
                 f"collectives ({_listing(run)}) are not rank 0's ({_listing(runs[0])})"
             )
@@ -158,7 +158,7 @@ def _check_runs(runs: Sequence[_Run]) -> None:
             for slot, sent in enumerate(run.calls[index][1]):
                 truth = own[slot].calls[index][1][slot]
                 if not _same(sent, truth):
-                    raise Refused(
+                    raise _Refused(
                         f"the ranks take different paths through the code: collective "
                         f"{index + 1} ({what}) gets other data from rank {slot} when every "
                         f"rank follows rank {run.rank}'s Python path than on rank {slot}'s own"
@@ -245,7 +245,7 @@ def _mode_class() -> type:
                     and lt._is_inplace_op(func)
                     and any(isinstance(a, lt.LocalTensor) for a in flat)
                 ):
-                    raise Refused(
+                    raise _Refused(
                         f"{func} writes each rank's value into one tensor shared by every "
                         "rank (made outside the simulation, or from Python data)"
                     )
@@ -295,7 +295,7 @@ def _collective(dispatch: Callable[..., Any], func: Any, types: Any, args: Any, 
     for plain, local in lifted:
         values = [local._local_tensors[r] for r in range(world)]
         if not all(_same(v, values[0]) for v in values[1:]):
-            raise Refused(f"{func} left a tensor shared by every rank different on each rank")
+            raise _Refused(f"{func} left a tensor shared by every rank different on each rank")
         if not _same(plain, values[0]):
             with torch.no_grad():
                 plain.copy_(values[0])
@@ -415,7 +415,7 @@ def _answered_local_ints(node: type) -> Callable[[], None]:
 
     def answer(self: Any) -> int:
         if _run is None:
-            raise Refused(f"a per-rank int, {self}, was needed as one Python int")
+            raise _Refused(f"a per-rank int, {self}, was needed as one Python int")
         _run.answered = True
         return int(self._local_ints[_run.rank])
 
@@ -425,7 +425,7 @@ def _answered_local_ints(node: type) -> Callable[[], None]:
             if len(set(answers.values())) == 1:
                 return torch._C._get_constant_bool_symnode(answers[0])
             if _run is None:
-                raise Refused(f"a comparison of the per-rank int {self} differs between ranks")
+                raise _Refused(f"a comparison of the per-rank int {self} differs between ranks")
             _run.answered = True
             return torch._C._get_constant_bool_symnode(answers[_run.rank])
 

@@ -376,7 +376,7 @@ def _simulated_ranks(
     try:
         model = job.parallelize(model, mesh)
     except Exception as exc:  # measured: DDP's constructor fails on LocalTensor parameters
-        raise _simulate.Refused(
+        raise _simulate._Refused(
             f"parallelize failed under LocalTensorMode ({type(exc).__name__}: {exc})"
         ) from exc
     _refuse_wrappers(model)
@@ -417,7 +417,7 @@ def _refuse_wrappers(model: nn.Module) -> None:
         for kind, name in ((DistributedDataParallel, "DistributedDataParallel"),
                            (FSDPModule, "FSDP2 (fully_shard)")):  # fmt: skip
             if isinstance(module, kind):
-                raise _simulate.Refused(
+                raise _simulate._Refused(
                     f"{name} does not run under LocalTensorMode (its buffers are raw storage "
                     "outside the per-rank tensors)"
                 )
