@@ -42,7 +42,7 @@ BUCKETS = [
     ("dynamo frame and guards", ("_dynamo/",)),
     ("AOTAutograd runtime wrappers", ("_aot_autograd", "_functorch")),
     ("inductor's compiled code", ("_inductor", "torchinductor_")),
-    ("custom op dispatch", ("torch/_ops.py", "torch/_library", "distgrad/_library")),
+    ("op dispatch", ("torch/_ops.py", "torch/_library")),
     ("distgrad's exchange (_exchange)", ("distgrad/_exchange",)),
     ("c10d calls", ("distributed_c10d", "_distributed_c10d", "ProcessGroup")),
     ("autograd engine and backward()", ("torch/autograd/", "run_backward")),

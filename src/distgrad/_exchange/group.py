@@ -37,7 +37,7 @@ class Group:
     rank: int
     size: int
     backend: str = "none"
-    # The name torch registers the group under: how torch.compile's custom ops find it again.
+    # The name torch registers the group under: how torch's functional collectives take it.
     name: str = ""
     # Which distgrad call on this group an op's plan came from, so debug mode can check that
     # every rank's backward answers the same forward call.
