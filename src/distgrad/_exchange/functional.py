@@ -71,6 +71,9 @@ def all_gather(x: Tensor, sizes: Sequence[int], group: Group) -> Tensor:
 
 def reduce_scatter(x: Tensor, sizes: Sequence[int], group: Group) -> Tensor:
     """The sum over ranks of ``x``'s rows, this rank's ``sizes[rank]`` of them."""
+    if x.is_complex():  # as all_reduce's
+        parts = reduce_scatter(torch.view_as_real(x.contiguous()), sizes, group)
+        return torch.view_as_complex(parts.contiguous())
     width = max(sizes)
     if any(s != width for s in sizes):
         x = torch.cat([_pad_rows(part, width) for part in x.split_with_sizes(list(sizes))])
@@ -79,6 +82,8 @@ def reduce_scatter(x: Tensor, sizes: Sequence[int], group: Group) -> Tensor:
 
 
 def all_reduce(x: Tensor, op: str, group: Group) -> Tensor:
+    if x.is_complex():  # a sum of complex numbers is the sum of their parts (gloo takes reals)
+        return torch.view_as_complex(all_reduce(torch.view_as_real(x.contiguous()), op, group))
     return wait(_C.all_reduce(x.contiguous(), _OPS[op], group.name))
 
 
