@@ -70,6 +70,8 @@ def _losses(rank: int, n: int) -> Step:
 
     def step(x: Tensor, v: Tensor) -> Tensor:  # x: [4, 8] on every rank
         a, b = x, x.flip(0) + v[0, :4, :8]
+        hard = torch.stack([x.roll(1, 0), x.roll(2, 1) - v[1, :4, :8]], 1)
+        both = ("query_to_key", "key_to_query")
         L = dg.losses
         terms = [
             L.info_nce(a, b, sizes=sizes),
@@ -80,6 +82,10 @@ def _losses(rank: int, n: int) -> Step:
             L.clip_loss(a, b, sizes=sizes, block_size=2),
             L.siglip_loss(a, b, sizes=sizes),
             L.info_nce(a, b, sizes=sizes, block_size=5),
+            # hard negatives ([4, 2, 8]: two per query) and both directions, dense and ring
+            # (two terms, one chunk each: each adds 10-15 s of tracing on a loaded machine)
+            L.info_nce(a, b, negatives=hard, directions=both),
+            L.info_nce(a, b, negatives=hard, sizes=sizes, block_size=8, directions=both),
             L.barlow_twins(a, b, sizes=sizes),
             clip(a, b, sizes=sizes),
             siglip(a, b),

@@ -50,7 +50,16 @@ from distgrad.losses._blockwise import ring_clip, ring_reduce
 from distgrad.losses._compat import renamed
 from distgrad.losses._global import batch_sizes, global_mean, global_mean_of
 
-__all__ = ["BlockSize", "choose_block", "clip_loss", "info_nce", "nt_xent", "siglip_loss"]
+__all__ = [
+    "BlockSize",
+    "Directions",
+    "Partition",
+    "choose_block",
+    "clip_loss",
+    "info_nce",
+    "nt_xent",
+    "siglip_loss",
+]
 
 Scalar = float | Tensor
 #: ``block_size``: None (dense), ``"auto"`` (dense unless its logits are large) or the ring's block
@@ -101,15 +110,16 @@ AUTO_BLOCK = {"cpu": 1024, "cuda": 4096}
 
 
 def choose_block(
-    block_size: BlockSize, rows: Sequence[int], x: Tensor, factor: int = 1
+    block_size: BlockSize, rows: Sequence[int], x: Tensor, factor: int = 1, columns: int = 1
 ) -> int | None:
     """The block size to use: ``block_size`` itself, or for ``"auto"`` the ring's block when
-    the dense path's float32 logits ``[factor * max B_l, factor * B]`` (NT-Xent: factor 2)
-    would pass ``AUTO_DENSE_BYTES``, else None (dense). Depends only on what every rank
-    knows alike (the row counts and the device type), so every rank picks the same path."""
+    the dense path's float32 logits ``[factor * max B_l, factor * columns * B]`` (NT-Xent:
+    factor 2; InfoNCE with m hard negatives: columns 1 + m) would pass ``AUTO_DENSE_BYTES``,
+    else None (dense). Depends only on what every rank knows alike (the row counts, the
+    options and the device type), so every rank picks the same path."""
     if block_size != "auto":
         return block_size
-    logits = factor * max(rows) * factor * sum(rows) * 4
+    logits = factor * max(rows) * factor * columns * sum(rows) * 4
     return AUTO_BLOCK.get(x.device.type, 4096) if logits > AUTO_DENSE_BYTES else None
 
 
@@ -122,15 +132,18 @@ def _check(
     group: GroupLike,
     sizes: Sequence[int] | None,
     block_size: BlockSize,
+    options: Sequence[int] = (),
+    problem: str | None = None,
 ) -> tuple[Group, tuple[int, ...]]:
     """Check a contrastive loss's arguments (across ranks where calls are checked) and return
-    the group and every rank's row count."""
+    the group and every rank's row count. ``options`` and ``problem``: the loss's own options
+    that every rank must pass alike, and this rank's complaint about them."""
     g = resolve(group, name)
     checked = checks_this_call(g, sizes is not None)
-    problem = _pair_problem(a, b, names) or _block_problem(block_size)
+    problem = _pair_problem(a, b, names) or problem or _block_problem(block_size)
     for what, value in positive.items():
         problem = problem or _positive_problem(what, value, checked)
-    return batch_sizes(name, b, g, problem, sizes)
+    return batch_sizes(name, b, g, problem, sizes, options)
 
 
 @contextmanager
@@ -164,40 +177,172 @@ def _scalar(value: Scalar, like: Tensor) -> Tensor:
     return torch.full((), value, dtype=like.dtype, device=like.device)
 
 
+Directions = tuple[Literal["query_to_key", "key_to_query"], ...]
+Partition = Literal["joint", "per_direction"]
+_DIRECTIONS = {("query_to_key",): False, ("query_to_key", "key_to_query"): True}
+_PARTITIONS = ("joint", "per_direction")
+
+
+def _info_nce_options(
+    query: Tensor, negatives: Tensor | None, directions: Directions, partition: Partition
+) -> tuple[list[int], str | None]:
+    """[m, symmetric, joint] (what every rank must pass alike) and this rank's complaint."""
+    symmetric = _DIRECTIONS.get(tuple(sorted(directions, reverse=True)))  # type: ignore[arg-type]
+    m = negatives.shape[1] if isinstance(negatives, Tensor) and negatives.dim() == 3 else 0
+    options = [m, int(bool(symmetric)), int(partition == "joint")]
+    if symmetric is None or len(set(directions)) != len(directions):
+        allowed = " or ".join(repr(d) for d in _DIRECTIONS)
+        return options, f"directions must be {allowed}, got {directions!r}"
+    if partition not in _PARTITIONS:
+        return options, f"partition must be 'joint' or 'per_direction', got {partition!r}"
+    if negatives is None:
+        return options, None
+    if not isinstance(negatives, Tensor) or negatives.dim() != 3:
+        got = tuple(negatives.shape) if isinstance(negatives, Tensor) else type(negatives).__name__
+        return options, f"negatives must be a [batch, m, dim] tensor, got {got}"
+    if (
+        isinstance(query, Tensor)
+        and query.dim() == 2
+        and (negatives.shape[0] != query.shape[0] or negatives.shape[2] != query.shape[1])
+    ):
+        want = f"[{query.shape[0]}, m, {query.shape[1]}]"
+        return options, f"negatives must be {want} (m per query), got {tuple(negatives.shape)}"
+    return options, None
+
+
 def info_nce(
     query: Tensor,
     key: Tensor,
     *,
+    negatives: Tensor | None = None,
+    directions: Directions = ("query_to_key",),
+    partition: Partition = "joint",
     temperature: Scalar = 0.1,
     normalize: bool = True,
     group: GroupLike = None,
     sizes: Sequence[int] | None = None,
     block_size: BlockSize = None,
 ) -> Tensor:
-    """InfoNCE: each query's positive is the key of the same global row; negatives are all other
-    keys of the global batch.
+    """InfoNCE: each query's positive is the key of the same global row; its negatives are all
+    other keys of the global batch and, with ``negatives``, every rank's hard negatives.
 
-    ``L = -(1/B) sum_i log softmax_j(<q_i, k_j> / temperature)[i]`` over cosine similarities
+    ``L = (1/B) sum_i [logsumexp_{c in C} s <q_i, c> - s <q_i, k_i>]`` over cosine similarities
     (both L2-normalised here; ``normalize=False`` takes the embeddings as given, for features
-    the model already normalised). ``temperature`` may be a tensor that requires grad.
+    the model already normalised), ``s = 1 / temperature`` (a tensor that requires grad, or a
+    number), ``C`` every rank's keys and every rank's negatives.
 
-    Communication: forward 1 all_gather of the keys [B_l, D] and a scalar all_reduce for the
-    value; backward 1 reduce-scatter of [B, D]. Memory: [B_l, B]. The row-count exchange and
-    the precision are common to every loss (module docstring).
+    ``negatives``: [B_l, m, D], row i's m hard negatives (the same m on every rank; from m
+    tensors of [B_l, D], ``torch.stack(negs, 1)``). ``directions=("query_to_key",
+    "key_to_query")`` adds each key's term against every query of the global batch
+    (``logsumexp_j s <k_i, q_j>``; the negatives are candidates, never anchors), combined with
+    ``partition``: ``"joint"`` one softmax over both sets (``logaddexp`` of the two
+    logsumexps), ``"per_direction"`` the mean of the two cross-entropies (CLIP's form). The
+    names follow sentence-transformers' ``MultipleNegativesRankingLoss`` (``query_to_doc``,
+    ``doc_to_query``, ``partition_mode``); docs/losses.md, "Hard negatives".
+
+    Communication: forward 1 all_gather of the keys [B_l, D], 1 of the negatives [B_l m, D]
+    (with negatives), 1 of [B + 1] (both directions) and a scalar all_reduce for the value;
+    backward a reduce-scatter for each gather. Memory: [B_l, B (1 + m)] logits. The row-count
+    exchange and the precision are common to every loss (module docstring).
     """
     temp = {"temperature": temperature}
-    g, rows = _check("info_nce", query, key, "query and key", temp, group, sizes, block_size)
+    options, problem = _info_nce_options(query, negatives, directions, partition)
+    g, rows = _check(
+        "info_nce", query, key, "query and key", temp, group, sizes, block_size, options, problem
+    )
+    m, symmetric, joint = options
     with _float32(key):
         q, k = _unit(query, normalize), _unit(key, normalize)
+        # [B_l m, D]: row i's negatives at rows i m .. i m + m - 1
+        n = None if negatives is None or m == 0 else _unit(negatives.flatten(0, 1), normalize)
         t = _scalar(temperature, q)
-        block = choose_block(block_size, rows, q)
+        block = choose_block(block_size, rows, q, columns=1 + m)
+        if n is None and not symmetric:
+            if block is not None:
+                return _ring_info_nce(q, k, 1 / t, g, rows, block)
+            keys = apply_all_gather(k, g, rows, 0)  # [B, D]
+            offset, total = sum(rows[: g.rank]), sum(rows)
+            logits = q @ keys.T / t  # [B_l, B]; positives at column offset + i
+            labels = torch.arange(len(q), device=q.device) + offset
+            return global_mean(F.cross_entropy(logits, labels, reduction="sum"), total, g)
         if block is not None:
-            return _ring_info_nce(q, k, 1 / t, g, rows, block)
-        keys = apply_all_gather(k, g, rows, 0)  # [B, D]
-        offset, total = sum(rows[: g.rank]), sum(rows)
-        logits = q @ keys.T / t  # [B_l, B]; positives at column offset + i
-        labels = torch.arange(len(q), device=q.device) + offset
-        return global_mean(F.cross_entropy(logits, labels, reduction="sum"), total, g)
+            row, col = _ring_retrieval(q, k, n, 1 / t, g, rows, m, bool(symmetric), block)
+        else:
+            row, col = _dense_retrieval(q, k, n, 1 / t, g, rows, m, bool(symmetric))
+        positive = (q * k).sum(1) / t  # [B_l]: s <q_i, k_i>, the label of both directions
+        if col is None:
+            terms = row - positive
+        elif joint:  # one softmax over q_i's candidates and k_i's queries
+            terms = torch.logaddexp(row, col) - positive
+        else:  # the mean of the two directions' cross-entropies
+            terms = (row + col) / 2 - positive
+        return global_mean(terms.sum(), sum(rows), g)
+
+
+def _dense_retrieval(
+    q: Tensor,
+    k: Tensor,
+    n: Tensor | None,
+    scale: Tensor,
+    g: Group,
+    rows: tuple[int, ...],
+    m: int,
+    symmetric: bool,
+) -> tuple[Tensor, Tensor | None]:
+    """Each query's logsumexp over every candidate ([B_l]) and, ``symmetric``, each key's over
+    every query ([B_l], else None), from this rank's rows of the global logits.
+
+    The candidate columns: the B keys in rank order (query i of rank r at column
+    ``offset_r + i``), then the B m negatives in rank order, row i's m together. Keys and
+    negatives are gathered separately so the keys' columns are exactly the first B (one gather
+    of each rank's keys and negatives together would interleave them per rank:
+    docs/losses.md, "Hard negatives"). The keys' terms against every query are the columns of
+    the same ``[B_l, B]`` block, combined over the ranks as CLIP's are (``_column_logsumexp``).
+    """
+    keys = k if g.size == 1 else apply_all_gather(k, g, rows, 0)  # [B, D]
+    logits = (scale * q) @ keys.T  # [B_l, B]; query i's key at column offset + i
+    col = None
+    if symmetric:
+        row, partial = _RowsAndColumns.apply(logits)  # type: ignore[no-untyped-call]
+        every, _ = _column_logsumexp(partial, partial.new_zeros(()), g)  # [B]
+        offset = sum(rows[: g.rank])
+        col = every[offset : offset + len(q)]
+    else:
+        row = logits.logsumexp(1)
+    if n is not None:
+        negs = n if g.size == 1 else apply_all_gather(n, g, tuple(r * m for r in rows), 0)
+        row = torch.logaddexp(row, ((scale * q) @ negs.T).logsumexp(1))  # [B_l, B m] logits
+    return row, col
+
+
+def _ring_retrieval(
+    q: Tensor,
+    k: Tensor,
+    n: Tensor | None,
+    scale: Tensor,
+    g: Group,
+    rows: tuple[int, ...],
+    m: int,
+    symmetric: bool,
+    block: int,
+) -> tuple[Tensor, Tensor | None]:
+    """``_dense_retrieval`` with the candidates on rings: one direction, the keys and the
+    negatives travel together (the logsumexp is the same in any column order); both, CLIP's
+    ring (the keys, with their column logsumexps over every query) and, with negatives, a
+    second ring of the negatives. The same 4 matmuls of B_l x D x B (1 + m) either way."""
+    zero = scale.new_zeros(())
+    if not symmetric:
+        assert n is not None
+        candidates = torch.cat([k, n])  # [B_l (1 + m), D]
+        sent = tuple(r * (1 + m) for r in rows)
+        return ring_reduce(q, candidates, scale, zero, sent, g, kind="lse", block=block), None
+    row, col = ring_clip(q, k, scale, rows, g, block=block)
+    if n is not None:
+        negs = ring_reduce(
+            q, n, scale, zero, tuple(r * m for r in rows), g, kind="lse", block=block
+        )
+        row = torch.logaddexp(row, negs)
+    return row, col
 
 
 def clip_loss(

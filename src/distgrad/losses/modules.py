@@ -29,7 +29,15 @@ from distgrad._mesh import GroupLike
 from distgrad.collectives.all_reduce import all_reduce
 from distgrad.losses._compat import renamed
 from distgrad.losses.barlow_twins import barlow_twins
-from distgrad.losses.contrastive import BlockSize, clip_loss, info_nce, nt_xent, siglip_loss
+from distgrad.losses.contrastive import (
+    BlockSize,
+    Directions,
+    Partition,
+    clip_loss,
+    info_nce,
+    nt_xent,
+    siglip_loss,
+)
 
 __all__ = ["BarlowTwinsLoss", "CLIPLoss", "InfoNCELoss", "NTXentLoss", "SigLIPLoss"]
 
@@ -131,24 +139,39 @@ class NTXentLoss(_Temperature):
 
 class InfoNCELoss(_Temperature):
     """:func:`~distgrad.losses.info_nce` with a temperature (learnable with ``learnable=True``,
-    stored as its log in the ``[1]`` parameter ``log_temperature``)."""
+    stored as its log in the ``[1]`` parameter ``log_temperature``); ``directions`` and
+    ``partition`` as the function takes them, hard negatives passed to the forward."""
 
     def __init__(
         self,
         temperature: float = 0.1,
         *,
         learnable: bool = False,
+        directions: Directions = ("query_to_key",),
+        partition: Partition = "joint",
         normalize: bool = True,
         group: GroupLike = None,
         block_size: BlockSize = None,
     ) -> None:
         super().__init__(temperature, learnable, normalize, group, block_size)
+        self.directions, self.partition = directions, partition
 
-    def forward(self, query: Tensor, key: Tensor, sizes: Sequence[int] | None = None) -> Tensor:
-        """The loss; ``sizes``: every rank's row count, as the functional loss takes it."""
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        sizes: Sequence[int] | None = None,
+        *,
+        negatives: Tensor | None = None,
+    ) -> Tensor:
+        """The loss; ``sizes``: every rank's row count, ``negatives``: [B_l, m, D], as the
+        functional loss takes them."""
         return info_nce(
             query,
             key,
+            negatives=negatives,
+            directions=self.directions,
+            partition=self.partition,
             temperature=self.temperature(),
             normalize=self.normalize,
             group=self.group,
