@@ -6,16 +6,26 @@ checker's AGREE. Each rank back-propagates its local-mean InfoNCE over gathered 
 gradients of the local queries and keys, averaged over ranks as DDP averages parameter
 gradients (here: scaled by 1/N, since every input row lives on exactly one rank), equal the
 single-process gradient of the loss on the full batch. float64, tolerance 1e-12.
+
+The README's other blocks run too (each has its test, listed in README_BLOCKS): the torchrun
+launch note on 2 CPU ranks, the DeviceMesh snippet on 4 (its loss is the single-process loss),
+and the install lines name the torch the tests run with. CONTRIBUTING's model op is the real
+``_AllToAll``, character for character.
 """
 
 from __future__ import annotations
 
+import importlib
+import inspect
+import os
 import re
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from distgrad.testing import run_on_ranks
@@ -78,3 +88,138 @@ def test_readme_example_gives_the_single_process_gradient_under_ddp_averaging() 
         rows = slice(rank * B_LOCAL, (rank + 1) * B_LOCAL)
         torch.testing.assert_close(gq, q.grad[rows], **FLOAT64_ROUNDING)
         torch.testing.assert_close(gk, k.grad[rows], **FLOAT64_ROUNDING)
+
+
+# --- Every other code block of the README, and CONTRIBUTING's model op ---------------------
+
+ROOT = README.parent
+CONTRIBUTING = ROOT / "CONTRIBUTING.md"
+
+
+def _blocks(path: Path) -> list[tuple[str, str]]:
+    """Every fenced block of a page: (its language, its text)."""
+    return re.findall(r"^[ \t]*```(\w*)\n(.*?)^[ \t]*```", path.read_text(), re.S | re.M)
+
+
+def _block(language: str, first_line: str) -> str:
+    found = [text for lang, text in _blocks(README) if lang == language and first_line in text]
+    assert len(found) == 1, f"README: one {language} block with {first_line!r}, found {len(found)}"
+    return found[0]
+
+
+# Each block of the README and the test that runs it; a new block needs a test and a line here.
+README_BLOCKS = {
+    (
+        "bash",
+        "pip install torch==2.13.0",
+    ): "test_readme_install_names_the_tested_torch_and_the_cpu_index",
+    ("python", "def info_nce"): "test_readme_example_runs_as_shown_and_the_checker_agrees",
+    ("python", "# train.py"): "test_readme_torchrun_script_runs_under_torchrun_on_cpu",
+    ("bash", "torchrun --standalone"): "test_readme_torchrun_script_runs_under_torchrun_on_cpu",
+    ("python", "init_device_mesh"): "test_readme_mesh_snippet_runs_and_gives_the_global_loss",
+}
+
+
+def test_every_readme_code_block_has_its_test() -> None:
+    for language, text in _blocks(README):
+        keys = [key for key in README_BLOCKS if key[0] == language and key[1] in text]
+        assert len(keys) == 1, f"a README {language or 'text'} block without its test:\n{text}"
+        assert README_BLOCKS[keys[0]] in globals(), README_BLOCKS[keys[0]]
+
+
+def test_readme_install_names_the_tested_torch_and_the_cpu_index() -> None:
+    """Installs need the network, so this checks what they name rather than running them: the
+    torch they pin is the torch the tests run with, from PyTorch's CPU wheel index."""
+    lines = [line.split("#")[0].split() for line in _block("bash", "pip install").splitlines()]
+    tested = torch.__version__.split("+")[0]
+    assert [
+        "pip",
+        "install",
+        f"torch=={tested}",
+        "--index-url",
+        "https://download.pytorch.org/whl/cpu",
+    ] in lines
+    assert ["pip", "install", "-e", "."] in lines
+    assert f"Tested with torch {tested}" in README.read_text()
+
+
+def test_readme_torchrun_script_runs_under_torchrun_on_cpu(tmp_path: Path) -> None:
+    """The launch note as written: train.py saved, the torchrun line run (torchrun's module, on
+    2 CPU ranks over gloo, as on a machine without a GPU); every rank ends with its gradient."""
+    (tmp_path / "train.py").write_text(_block("python", "# train.py"))
+    command = _block("bash", "torchrun --standalone").split("#")[0].split()
+    assert command[0] == "torchrun"
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", *command[1:]],
+        capture_output=True, text=True, timeout=180, cwd=tmp_path, env=env,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    grads = sorted(re.findall(r"rank (\d): (\d+\.\d+)", result.stdout))
+    assert [rank for rank, _ in grads] == ["0", "1"], result.stdout
+    assert all(float(norm) > 0 for _, norm in grads)  # x is unseeded: its gradient, not a value
+
+
+def _mesh_rank(rank: int, world_size: int) -> float:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import distgrad as dg
+    from distgrad import parallel as P
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    import mesh_2d
+
+    images, texts = mesh_2d.make_batch()
+    dp = rank // 2  # mesh (2, 2), row-major: ranks 0, 1 are dp 0; ranks 2, 3 are dp 1
+    rows = slice(dp * len(images) // 2, (dp + 1) * len(images) // 2)
+    namespace: dict[str, Any] = {
+        "init_device_mesh": init_device_mesh,
+        "fully_shard": fully_shard,
+        "dg": dg,
+        "P": P,
+        "model": mesh_2d.make_model(),
+        "images": images[rows],
+        "texts": texts[rows],
+    }
+    exec(_block("python", "init_device_mesh"), namespace)
+    return float(namespace["loss"].detach())
+
+
+def test_readme_mesh_snippet_runs_and_gives_the_global_loss() -> None:
+    """The DeviceMesh snippet as written, on 4 CPU ranks (dp=2 x tp=2), with examples/mesh_2d.py's
+    model and batch: every rank's loss is CLIP's loss of the whole batch in one process
+    (float64; the reduction order differs, hence 1e-12)."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        import mesh_2d
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+    import distgrad as dg
+
+    model = mesh_2d.make_model()
+    images, texts = mesh_2d.make_batch()
+    want = float(dg.losses.clip_loss(model(images), model(texts)).detach())
+    losses = run_on_ranks(_mesh_rank, 4)
+    assert losses == [pytest.approx(want, rel=1e-12)] * 4
+
+
+def test_contributing_model_op_is_the_real_all_to_all() -> None:
+    """CONTRIBUTING's model autograd Function is _AllToAll as the package defines it, and it
+    runs: defined in all_to_all.py's namespace it is a Collective whose adjoint is itself with
+    the sizes swapped."""
+    module = importlib.import_module("distgrad.collectives.all_to_all")  # not the function
+
+    shown = next(text for _, text in _blocks(CONTRIBUTING) if "class _AllToAll" in text)
+    real = inspect.getsource(module._AllToAll)
+    assert textwrap.dedent(shown).strip() == real.strip()
+    namespace = dict(vars(module))
+    exec(textwrap.dedent(shown), namespace)
+    op = namespace["_AllToAll"]
+    assert issubclass(op, module.Collective) and op.name == "all_to_all"
+
+    class Plan:
+        def swapped(self) -> str:
+            return "swapped"
+
+    assert op.adjoint(Plan()) == (op, "swapped")
