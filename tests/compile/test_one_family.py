@@ -285,3 +285,22 @@ def test_a_compiled_forward_runs_no_exchange_of_its_backward() -> None:
     shifts) and all_reduces; a gather is one all_to_all."""
     for found in run_on_ranks(_forward_exchanges, 2, timeout=120):
         assert found == {"siglip_loss, ring": 2, "clip_loss, ring": 3, "gather": 1}, found
+
+
+def _collective_then_loss(rank: int, n: int) -> list[float]:
+    """A collective, then a loss that resolves the same default group, in one graph: the group
+    must stay guardable however its first use in the trace was checked."""
+    rows = [4] * n
+
+    def step(x: Tensor, y: Tensor) -> Tensor:
+        total = dg.all_reduce(x)
+        return dg.losses.info_nce(total, y, sizes=rows) + dg.all_gather(y, sizes=rows).sum()
+
+    gen = seeded(40 + rank)
+    x = torch.randn(4, 6, dtype=torch.float64, generator=gen, requires_grad=True)
+    y = torch.randn(4, 6, dtype=torch.float64, generator=gen, requires_grad=True)
+    return _eager_and_compiled(step, [x, y], "aot_eager")
+
+
+def test_a_collective_then_a_loss_on_the_same_group_compile_in_one_graph() -> None:
+    run_on_ranks(_collective_then_loss, 2, timeout=120)

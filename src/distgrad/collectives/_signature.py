@@ -526,18 +526,21 @@ def _bound_constant(
     checked = _checked_once(signature.op, group, meta, tuple(items))
     if checked is None:  # its output's shape depends on its peers'
         break_for_sizes(signature.describe(passed), signature.known_by)
-    group_, desc, values, problem = checked
+    desc, values, problem = checked
     if problem is not None:  # raised here, in the trace, as the eager call raises it
         raise CollectiveArgumentError(problem)
-    return Bound(group_, desc, None, dict(values))
+    # The group is resolved in the trace (itself a constant of the graph, guarded on the
+    # process group passed): a ProcessGroup first seen inside a constant's result would have
+    # no source dynamo can guard, and a later use of it in the step could not be traced.
+    return Bound(resolve(group, signature.op), desc, None, dict(values))
 
 
 def _check_alone(
     op: str, group: object, meta: Any, items: tuple[tuple[str, Any], ...]
-) -> tuple[Group, str, tuple[tuple[str, Any], ...], str | None] | None:
-    """A traced call's checks, on this rank alone, run outside the trace: its group, its
-    description, its checked values and its problem (the message to raise); None where its
-    output's shape depends on its peers'."""
+) -> tuple[str, tuple[tuple[str, Any], ...], str | None] | None:
+    """A traced call's checks, on this rank alone, run outside the trace: its description,
+    its checked values and its problem (the message to raise); None where its output's shape
+    depends on its peers'."""
     signature = _SIGNATURES[op]
     passed = dict(items)
     x = None
@@ -563,7 +566,7 @@ def _check_alone(
             return None
         if problem is not None:
             problem = f"{desc} on rank {g.rank}: {problem}"
-    return g, desc, tuple(values.items()), problem
+    return desc, tuple(values.items()), problem
 
 
 _checked_once = torch._dynamo.assume_constant_result(_check_alone)  # type: ignore[no-untyped-call]
