@@ -1,9 +1,26 @@
-"""CLIP and SigLIP losses on W gloo ranks against open_clip's own loss module: time of
-forward+backward and bytes saved for backward, as paired ratios.
+"""CLIP and SigLIP losses on W gloo ranks against open_clip's own loss module, and InfoNCE with
+hard negatives against sentence-transformers' MultipleNegativesRankingLoss: time of
+forward+backward and bytes saved for backward, as paired ratios; and the peak memory of each
+rank during a step, as the number of ranks grows.
 
     python benchmarks/losses.py                          # W 2 and 4, B_local 1024 and 4096
     python benchmarks/losses.py --configs 2x1024 --rounds 2     # a quick run
     python benchmarks/losses.py --configs 2x8192         # global batch 16384 on 2 ranks
+    python benchmarks/losses.py --losses retrieval --configs 2x1024 4x1024 --negatives 1 3
+    python benchmarks/losses.py --peak 2 4 8 --configs 1024    # peak memory per rank
+
+Retrieval (``--losses retrieval``): queries, keys [B_local, 512] and m hard negatives per
+query [B_local, m, 512], scale 20 (temperature 0.05), one direction (``query_to_doc``).
+Baseline: sentence-transformers 6.2's ``MultipleNegativesRankingLoss(gather_across_devices=
+True)``, its own file loaded by path as the tests load it (``tests/losses/mnrl.py``; install
+with ``pip install --no-deps sentence-transformers==6.2.0``), fed the queries, the keys and
+one [B_local, 512] tensor per negative column.
+
+Peak memory (``--peak W...``): for each loss and path, W fresh processes make one warm-up
+step, then one step under torch's memory profiler (``torch.profiler`` with
+``profile_memory=True``); its timeline gives every tensor storage created and destroyed
+during the step, and the peak of their running sum is the step's peak memory on that rank
+above what existed before it (the inputs). Reported: the largest rank's.
 
 open_clip is an optional benchmark dependency (pyproject's ``bench`` extra names it), to be
 installed with ``pip install --no-deps open_clip_torch``: its dependencies would pull
@@ -52,9 +69,13 @@ from torch import Tensor
 import distgrad as dg
 from distgrad.testing import run_on_ranks
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for tests.losses.mnrl
+from tests.losses import mnrl
+
 DIM = 512
 BLOCK = 1024
-Loss = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+Loss = Callable[..., Tensor]
+SCALE = 20.0  # sentence-transformers' default scale (temperature 0.05)
 
 
 def open_clip_loss_module() -> ModuleType:
@@ -70,9 +91,39 @@ def open_clip_loss_module() -> ModuleType:
     return module
 
 
+def retrieval_variants(world_size: int) -> dict[str, Loss]:
+    """InfoNCE with hard negatives: sentence-transformers' gather version first. Each takes the
+    queries, the keys and the negatives [B_local, m, D], un-normalised."""
+
+    def st(q: Tensor, k: Tensor, n: Tensor) -> Tensor:
+        return mnrl.multiple_negatives_ranking_loss(
+            [q, k, *n.unbind(1)],
+            scale=SCALE,
+            directions=("query_to_doc",),
+            partition_mode="joint",
+        )
+
+    def distgrad(block: int | None) -> Loss:
+        def run(q: Tensor, k: Tensor, n: Tensor) -> Tensor:
+            sizes = [len(q)] * world_size
+            return dg.losses.info_nce(
+                q, k, negatives=n, temperature=1 / SCALE, sizes=sizes, block_size=block
+            )
+
+        return run
+
+    return {
+        "sentence-transformers MNRL(gather_across_devices)": st,
+        "distgrad dense": distgrad(None),
+        f"distgrad ring (block {BLOCK})": distgrad(BLOCK),
+    }
+
+
 def variants(loss: str, rank: int, world_size: int) -> dict[str, Loss]:
     """The variants of ``loss``, the baseline (open_clip's exact one) first. Each takes the
     un-normalised features, the log logit scale and the bias."""
+    if loss == "retrieval":
+        return retrieval_variants(world_size)
     oc = open_clip_loss_module()
     if loss == "clip":
         exact = oc.ClipLoss(
@@ -141,20 +192,27 @@ def _slowest(seconds: float) -> float:
     return float(t)
 
 
+def _inputs(loss: str, rank: int, rows: int, m: int) -> list[Tensor]:
+    """Leaves of one step: features [rows, DIM] (and m negatives per row for retrieval), the
+    log logit scale and the bias for CLIP and SigLIP."""
+    gen = torch.Generator().manual_seed(rank)
+    x, y = (torch.randn(rows, DIM, generator=gen).requires_grad_() for _ in range(2))
+    if loss == "retrieval":
+        return [x, y, torch.randn(rows, m, DIM, generator=gen).requires_grad_()]
+    # CLIP's initial scale 1/0.07, SigLIP's 10 and bias -10
+    log_s = torch.tensor(math.log(1 / 0.07 if loss == "clip" else 10.0), requires_grad=True)
+    return [x, y, log_s, torch.tensor(-10.0, requires_grad=True)]
+
+
 def _measure(
-    rank: int, world_size: int, loss: str, rows: int, rounds: int
+    rank: int, world_size: int, loss: str, rows: int, rounds: int, m: int = 0
 ) -> dict[str, tuple[list[float], int]]:
     """Every variant's times (slower rank's, per round) and saved bytes on this rank."""
     torch.set_num_threads(1)
     # torch.distributed.nn is deprecated, yet it is what open_clip's gather_with_grad calls.
     warnings.filterwarnings("ignore", category=FutureWarning)
     found = variants(loss, rank, world_size)
-    gen = torch.Generator().manual_seed(rank)
-    x, y = (torch.randn(rows, DIM, generator=gen).requires_grad_() for _ in range(2))
-    # CLIP's initial scale 1/0.07, SigLIP's 10 and bias -10
-    log_s = torch.tensor(math.log(1 / 0.07 if loss == "clip" else 10.0), requires_grad=True)
-    b = torch.tensor(-10.0, requires_grad=True)
-    inputs = [x, y, log_s, b]
+    inputs = _inputs(loss, rank, rows, m)
 
     def step(fn: Loss) -> Tensor:
         for t in inputs:
@@ -178,6 +236,80 @@ def _measure(
     return {name: (times[name], saved[name]) for name in found}
 
 
+def _step_peak(fn: Callable[[], None]) -> int:
+    """Bytes: the peak, during ``fn``, of the storages created in it and not yet destroyed."""
+    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler._memory_profiler import Action
+
+    with profile(
+        activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True
+    ) as prof:
+        fn()
+    live = peak = 0
+    for _, action, _, size in prof._memory_profile().timeline:
+        if action == Action.CREATE:
+            live += size
+        elif action == Action.DESTROY:
+            live -= size
+        peak = max(peak, live)
+    return peak
+
+
+def _peak(rank: int, world_size: int, loss: str, rows: int, name: str) -> int:
+    """One variant's peak bytes on this rank during one step, after a warm-up step."""
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    fn = PEAK_VARIANTS[name](loss, world_size)
+    inputs = _inputs(loss, rank, rows, 0)
+
+    def step() -> None:
+        for t in inputs:
+            t.grad = None
+        fn(*inputs).backward()
+
+    step()
+    dist.barrier()
+    return _step_peak(step)
+
+
+def _dg(loss: str, world_size: int, block: int | None) -> Loss:
+    def run(x: Tensor, y: Tensor, log_s: Tensor, b: Tensor) -> Tensor:
+        sizes = [len(x)] * world_size
+        if loss == "clip":
+            return dg.losses.clip_loss(x, y, log_s.exp(), sizes=sizes, block_size=block)
+        return dg.losses.siglip_loss(x, y, log_s.exp(), b, sizes=sizes, block_size=block)
+
+    return run
+
+
+PEAK_VARIANTS: dict[str, Callable[[str, int], Loss]] = {
+    "dense": lambda loss, w: _dg(loss, w, None),
+    f"ring (block {BLOCK})": lambda loss, w: _dg(loss, w, BLOCK),
+}
+
+
+def peak_table(worlds: list[int], rows: int, losses: list[str]) -> str:
+    """Peak MiB per rank of each loss and path at each W, and the largest W's over the
+    smallest's."""
+    head = " | ".join(f"W={w} (B={w * rows})" for w in worlds)
+    lines = [
+        f"| loss | path | {head} | W={worlds[-1]} vs W={worlds[0]} |",
+        "|---|---|" + "---:|" * (len(worlds) + 1),
+    ]
+    for loss in losses:
+        for name in PEAK_VARIANTS:
+            peaks = []
+            for w in worlds:
+                per_rank = run_on_ranks(
+                    _peak, w, args=(loss, rows, name), timeout=3000, collective_timeout=1800
+                )
+                peaks.append(max(per_rank))
+            cells = " | ".join(f"{p / 2**20:.1f}" for p in peaks)
+            lines.append(f"| {loss} | {name} | {cells} | {peaks[-1] / peaks[0]:.2f}x |")
+            print(lines[-1], f"(load {os.getloadavg()})", flush=True)
+    return "\n".join(lines)
+
+
 def _row(
     loss: str, w: int, rows: int, per_rank: list[dict[str, tuple[list[float], int]]]
 ) -> list[str]:
@@ -197,9 +329,31 @@ def _row(
 
 
 HEADER = (
-    "| loss | W | B_local | B | variant | fwd+bwd ms (median) | time vs open_clip (paired) "
-    "| saved for backward MiB | saved vs open_clip |\n|---|---:|---:|---:|---|---:|---:|---:|---:|"
+    "| loss | W | B_local | B | variant | fwd+bwd ms (median) | time vs baseline (paired) "
+    "| saved for backward MiB | saved vs baseline |\n|---|---:|---:|---:|---|---:|---:|---:|---:|"
 )
+
+
+def _timings(args: argparse.Namespace) -> str:
+    if {"clip", "siglip"} & set(args.losses):
+        open_clip_loss_module()  # fail early when open_clip is missing
+    if "retrieval" in args.losses and mnrl.loss_module_path() is None:
+        raise SystemExit("pip install --no-deps sentence-transformers==6.2.0")
+    lines = []
+    for loss in args.losses:
+        for config in args.configs:
+            w, rows = (int(v) for v in config.split("x"))
+            for m in args.negatives if loss == "retrieval" else [0]:
+                started = time.monotonic()
+                per_rank = run_on_ranks(
+                    _measure, w, args=(loss, rows, args.rounds, m), timeout=3000,
+                    collective_timeout=1800,
+                )  # fmt: skip
+                label = f"retrieval m={m}" if loss == "retrieval" else loss
+                lines += _row(label, w, rows, per_rank)
+                print("\n".join(lines[-len(per_rank[0]) :]), flush=True)
+                print(f"({time.monotonic() - started:.0f} s, load {os.getloadavg()})", flush=True)
+    return f"{HEADER}\n" + "\n".join(lines)
 
 
 def main() -> None:
@@ -212,22 +366,18 @@ def main() -> None:
     )
     parser.add_argument("--losses", nargs="+", default=["clip", "siglip"])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--negatives", nargs="+", type=int, default=[1, 3], help="m, for --losses retrieval"
+    )
+    parser.add_argument(
+        "--peak", nargs="+", type=int, default=None, help="W...: peak memory per rank instead"
+    )
     parser.add_argument("--out", type=Path, default=None, help="also write the table here")
     args = parser.parse_args()
-    open_clip_loss_module()  # fail early when open_clip is missing
-    lines = []
-    for loss in args.losses:
-        for config in args.configs:
-            w, rows = (int(v) for v in config.split("x"))
-            started = time.monotonic()
-            per_rank = run_on_ranks(
-                _measure, w, args=(loss, rows, args.rounds), timeout=3000,
-                collective_timeout=1800,
-            )  # fmt: skip
-            lines += _row(loss, w, rows, per_rank)
-            print("\n".join(lines[-len(per_rank[0]) :]), flush=True)
-            print(f"({time.monotonic() - started:.0f} s, load {os.getloadavg()})", flush=True)
-    table = f"{HEADER}\n" + "\n".join(lines)
+    if args.peak:
+        table = peak_table(args.peak, int(args.configs[0]), args.losses)
+    else:
+        table = _timings(args)
     print(table)
     if args.out is not None:
         stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
