@@ -8,7 +8,8 @@ processes and moment, on 2 gloo ranks (CPU):
   and ``torch._inductor.config.bucket_all_reduces_fx = "all"``, written with ``dg.all_reduce``
   and with ``funcol.all_reduce``: the c10d all_reduce calls one step makes (counted from the
   profiler's events of a run) and the step's wall time, as the median over paired rounds of
-  distgrad's time over funcol's, and each variant's median time.
+  distgrad's time over funcol's, and each variant's median time; then the same with dynamo's
+  guards skipped, which leaves the guards' share of each step.
 * **Guards.** The guard lines dynamo checks before every run of a compiled forward (the
   lines of its guard tree; the backward compiled with it has none), per op where funcol has
   it, distgrad over funcol.
@@ -81,15 +82,20 @@ def _bucketed(rank: int, n: int, rounds: int) -> dict[str, Any]:
             sum(2.0 * (i + r) for r in range(n)) for i in range(16)
         ]
         calls[name] = _c10d_all_reduces(fn, xs)
-    times: dict[str, list[float]] = {name: [] for name in variants}
+    times: dict[str, list[float]] = {}
     for i in range(rounds):
         order = list(variants) if i % 2 == 0 else list(reversed(variants))
-        for name in order:
-            dist.barrier()
-            start = time.perf_counter()
-            out = variants[name](*xs)
-            float(out[-1][0])
-            times[name].append(time.perf_counter() - start)
+        for skip in (False, True):
+            # With dynamo's guards skipped (unsafe outside a measurement): what is left is the
+            # compiled code and its runtime wrappers, so the difference is the guards' time.
+            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=skip):
+                for name in order:
+                    dist.barrier()
+                    start = time.perf_counter()
+                    out = variants[name](*xs)
+                    float(out[-1][0])
+                    key = f"{name}, guards skipped" if skip else name
+                    times.setdefault(key, []).append(time.perf_counter() - start)
     return {"calls": calls, "times": times}
 
 
@@ -184,7 +190,7 @@ def main() -> None:
     # Each round's time is the slower rank's.
     slow = {
         name: [max(ts) for ts in zip(*(b["times"][name] for b in bucketed), strict=True)]
-        for name in ("distgrad", "funcol")
+        for name in bucketed[0]["times"]
     }
     ratios = [d / f for d, f in zip(slow["distgrad"], slow["funcol"], strict=True)]
     calls = bucketed[0]["calls"]
@@ -203,6 +209,18 @@ def main() -> None:
         f"{statistics.median(ratios):.2f} (quartiles "
         f"{statistics.quantiles(ratios, n=4)[0]:.2f}-{statistics.quantiles(ratios, n=4)[2]:.2f}) |",
         f"| funcol | {calls['funcol']} | {statistics.median(slow['funcol']) * 1e3:.3f} ms | 1 |",
+        "",
+        "The same steps with dynamo's guards skipped (`skip_guard_eval_unsafe`), in the same "
+        "rounds: what remains is the compiled code and its runtime wrappers.",
+        "",
+        "| | median step, guards skipped | guards' share of the step |",
+        "|---|---|---|",
+    ]
+    for name in ("distgrad", "funcol"):
+        full = statistics.median(slow[name])
+        bare = statistics.median(slow[f"{name}, guards skipped"])
+        lines.append(f"| {name} | {bare * 1e3:.3f} ms | {(full - bare) * 1e6:.0f} us |")
+    lines += [
         "",
         "## Guard lines of a compiled forward, (64, 128) float32",
         "",
