@@ -139,12 +139,20 @@ def _dtensor_beside_distgrad(rank: int, n: int, backend: str) -> list[float]:
     return _eager_and_compiled(step, [w, x], backend)
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    ("backend", "world_size"),
+    [
+        ("aot_eager", 2),
+        ("aot_eager", 3),
+        pytest.param("inductor", 2, marks=pytest.mark.slow),
+        pytest.param("inductor", 3, marks=pytest.mark.slow),
+    ],
+)
 @pytest.mark.timeout(300)
 def test_dtensor_and_distgrad_exchanges_with_rank_dependent_sizes_in_one_graph(
-    backend: str,
+    backend: str, world_size: int
 ) -> None:
-    run_on_ranks(_dtensor_beside_distgrad, 2, args=(backend,), timeout=240)
+    run_on_ranks(_dtensor_beside_distgrad, world_size, args=(backend,), timeout=240)
 
 
 def _dropped_gather_and_independent_exchanges(rank: int, n: int, setting: str) -> list[float]:
