@@ -35,7 +35,16 @@ from tests.losses import mnrl
 DIM, TEMPERATURE = 5, 0.4
 QUERY = ("query_to_key",)
 BOTH = ("query_to_key", "key_to_query")
-SHARDINGS = [[7], [4, 3], [3, 0, 4], [1, 3, 2, 1], [7, 0]]
+# The default tier keeps two shardings (uneven, and an empty rank on 3 ranks); the others
+# are the slow tier's (the default tier sits near its 5 minutes on 2 cores).
+slow = pytest.mark.slow
+SHARDINGS = [
+    pytest.param([7], marks=slow),
+    [4, 3],
+    [3, 0, 4],
+    pytest.param([1, 3, 2, 1], marks=slow),
+    pytest.param([7, 0], marks=slow),
+]
 # (m hard negatives per query, directions, partition, block_size): the dense path (None), and
 # the ring with blocks smaller and larger than a shard
 CASES = [
@@ -173,7 +182,16 @@ def _second_order(rank: int, world_size: int, sizes: list[int]) -> list[list[Ten
     return found
 
 
-@pytest.mark.parametrize("sizes", [[7], [4, 3], [3, 0, 4], [1, 3, 2, 1]], ids=str)
+@pytest.mark.parametrize(
+    "sizes",
+    [
+        pytest.param([7], marks=slow),
+        [4, 3],
+        pytest.param([3, 0, 4], marks=slow),
+        pytest.param([1, 3, 2, 1], marks=slow),
+    ],
+    ids=str,
+)
 def test_hard_negatives_dense_path_is_twice_differentiable(sizes: list[int]) -> None:
     """First-order gradients W times the single-process ones; Hessian-vector products of
     sum_r <g_r, v_r> W times the single-process ones (rows on their owner, the temperature's
@@ -251,7 +269,9 @@ def _against_st(rank: int, world_size: int, rows: int) -> list[list[Tensor]]:
 
 
 @needs_st
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize(
+    "world_size", [pytest.param(1, marks=slow), 2, pytest.param(3, marks=slow), 4]
+)
 def test_info_nce_equals_sentence_transformers_multiple_negatives_ranking_loss(
     world_size: int,
 ) -> None:
