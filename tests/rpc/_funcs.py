@@ -614,6 +614,13 @@ def owner_leaf_grad() -> Tensor | None:
     return _owned_leaves[-1].grad
 
 
+def leaf_grad_under(rref: Any) -> Tensor | None:
+    """On the owner of local_leaf_sum's RRef: its leaf's .grad, once the value is made (the
+    RRef's creation may still be on its way when this is asked)."""
+    rref.local_value()  # waits for the value
+    return owner_leaf_grad()
+
+
 def owner_rref_local_backward() -> Tensor | None:
     """On the owner, outside any context: RRef.backward() of a scalar made from a leaf here
     (torch's local backward); the leaf's .grad."""

@@ -134,7 +134,7 @@ def _rref_backward(mode: str) -> None:
     user = dgrpc.remote("worker2", F.local_leaf_sum)
     with pytest.raises(RuntimeError, match=r"^User RRefs require 'dist_autograd_ctx_id' to be"):
         user.backward()
-    assert H.query("worker2", F.owner_leaf_grad) is None
+    assert H.query("worker2", F.leaf_grad_under, user.torch_rref) is None
     text = dgrpc.remote("worker1", str, args=("foo",))
     with dgrpc.context() as cid:
         for not_a_tensor in (text, dgrpc.RRef("foo")):
