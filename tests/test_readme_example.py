@@ -143,6 +143,7 @@ def test_readme_install_names_the_tested_torch_and_the_cpu_index() -> None:
     assert f"Tested with torch {tested}" in README.read_text()
 
 
+@pytest.mark.slow  # a torchrun launch; CI's slow part runs it
 def test_readme_torchrun_script_runs_under_torchrun_on_cpu(tmp_path: Path) -> None:
     """The launch note as written: train.py saved, the torchrun line run (torchrun's module, on
     2 CPU ranks over gloo, as on a machine without a GPU); every rank ends with its gradient."""

@@ -59,6 +59,7 @@ def in_process(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str
     return code, out, err
 
 
+@pytest.mark.slow  # processes of the installed command: CI's slow part runs tests/cli
 def test_help_is_there_for_every_command_and_the_console_script() -> None:
     module = [sys.executable, "-m", "distgrad"]
     commands = [[*module, "--help"], [*module, "demo", "--help"], [*module, "check", "--help"]]
@@ -71,6 +72,7 @@ def test_help_is_there_for_every_command_and_the_console_script() -> None:
     assert "make_inputs()" in results[2].stdout
 
 
+@pytest.mark.slow  # processes of the installed command: CI's slow part runs tests/cli
 def test_demo_runs_and_distgrad_tracks_one_process_while_naive_drifts(tmp_path: Path) -> None:
     result = distgrad("demo", "--steps", "4", "--batch", "16", "--output", str(tmp_path / "out"))
     assert result.returncode == 0, result.stderr
@@ -154,6 +156,7 @@ def test_check_hints_that_the_reference_runs_without_a_process_group(
     assert "reference runs the function in this process, without a process group" in err
 
 
+@pytest.mark.slow  # processes of the installed command: CI's slow part runs tests/cli
 def test_check_accepts_a_module_name(tmp_path: Path) -> None:
     result = distgrad("check", "check_info_nce:info_nce", "--world-size", "1", cwd=EXAMPLE.parent)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -219,6 +222,7 @@ def test_bad_arguments_give_one_line_with_the_error_prefix_and_exit_2() -> None:
         assert result.stderr.startswith("distgrad: error: "), (args, result.stderr)
 
 
+@pytest.mark.slow  # processes of the installed command: CI's slow part runs tests/cli
 def test_version_is_the_package_version() -> None:
     result = distgrad("--version")
     assert result.returncode == 0, result.stderr

@@ -143,7 +143,7 @@ def _dtensor_beside_distgrad(rank: int, n: int, backend: str) -> list[float]:
     ("backend", "world_size"),
     [
         ("aot_eager", 2),
-        ("aot_eager", 3),
+        pytest.param("aot_eager", 3, marks=pytest.mark.slow),
         pytest.param("inductor", 2, marks=pytest.mark.slow),
         pytest.param("inductor", 3, marks=pytest.mark.slow),
     ],

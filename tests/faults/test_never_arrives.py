@@ -81,6 +81,7 @@ def test_ranks_on_different_groups_both_time_out_saying_where_the_other_waits() 
         ), first
 
 
+@pytest.mark.slow  # 6 s; its area keeps four fast cases; CI's slow part runs it
 def test_a_peer_still_waiting_on_another_group_is_said_to_be_waiting_there() -> None:
     """Rank 1's group has a longer timeout: when rank 0 times out, rank 1 still waits (and says
     so in the store once its wait has lasted a second); it fails when rank 0 leaves."""

@@ -127,6 +127,7 @@ def _threads_after_long_waits_on_many_groups(rank: int, world: int) -> dict[str,
     }
 
 
+@pytest.mark.slow  # 6 s; CI's slow part runs tests/lifecycle/test_reinit.py
 def test_distgrad_runs_a_constant_number_of_threads_whatever_the_peers_and_groups() -> None:
     for world in (2, 4):
         for rank, seen in enumerate(

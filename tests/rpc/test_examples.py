@@ -17,9 +17,9 @@ EXAMPLES = {
 }
 
 
-# The design note's example in the default tier; the two training examples (10-25 s each) in
-# the slow tier, which CI runs.
-SLOW = {"rpc_parameter_server.py", "rpc_model_parallel.py"}
+# Every example in the slow tier, which CI runs (the training examples take 10-25 s each); the
+# RPC area keeps its fast cases in the other files.
+SLOW = {"rpc_parameter_server.py", "rpc_model_parallel.py", "rpc_design_note.py"}
 
 
 @pytest.mark.parametrize(
