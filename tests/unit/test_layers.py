@@ -40,10 +40,11 @@ EXCHANGE_FLOORS: Layers = [
     [[f"{_X}.alive"]],  # liveness sockets and /proc: is a peer's process still there
     [[f"{_X}.group"]],  # groups, ranks, sizes; forgetting destroyed groups
     [[f"{_X}.wait"]],  # how a rank waits: ticks, dead peers, errors that say where
-    # The data guard's tags in the data's own bytes; which c10d call each backend gets; the
-    # functional collectives a traced exchange emits.
-    [[f"{_X}.guard"], [f"{_X}.backend"], [f"{_X}.functional"]],
-    [[f"{_X}.inflight"]],  # starting and waiting for a c10d call; steps; staging
+    # The data guard's tags in the data's own bytes; which c10d call each backend gets.
+    [[f"{_X}.guard"], [f"{_X}.backend"]],
+    # Starting and waiting for a c10d call, steps, staging; the functional collectives a
+    # traced exchange emits (padding as the backend pads).
+    [[f"{_X}.inflight"], [f"{_X}.functional"]],
     # Point-to-point pairs; the checked calls' metadata handshake; AsyncTensor.
     [[f"{_X}.pairs"], [f"{_X}.handshake"], [f"{_X}.async_op"]],
     [[f"{_X}.declare"]],  # one declaration -> eager call, async branch, traced form

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from distgrad._exchange.backend import pad_rows, trim_cat
 from distgrad._exchange.group import Group
 
 __all__ = [
@@ -60,13 +61,8 @@ def wait(x: Tensor) -> Tensor:
 
 def all_gather(x: Tensor, sizes: Sequence[int], group: Group) -> Tensor:
     """Every rank's rows in rank order; uneven sizes padded to the largest on the wire."""
-    width = max(sizes)
-    sent = x.contiguous() if x.shape[0] == width else _pad_rows(x, width)
-    out = wait(_C.all_gather_into_tensor(sent, group.size, group.name))
-    if all(s == width for s in sizes):
-        return out
-    blocks = out.view(group.size, width, *x.shape[1:])
-    return torch.cat([blocks[i, :s] for i, s in enumerate(sizes)])
+    out = wait(_C.all_gather_into_tensor(pad_rows(x, max(sizes)), group.size, group.name))
+    return trim_cat(out, sizes)
 
 
 def reduce_scatter(x: Tensor, sizes: Sequence[int], group: Group) -> Tensor:
@@ -76,7 +72,7 @@ def reduce_scatter(x: Tensor, sizes: Sequence[int], group: Group) -> Tensor:
         return torch.view_as_complex(parts.contiguous())
     width = max(sizes)
     if any(s != width for s in sizes):
-        x = torch.cat([_pad_rows(part, width) for part in x.split_with_sizes(list(sizes))])
+        x = torch.cat([pad_rows(part, width) for part in x.split_with_sizes(list(sizes))])
     out = wait(_C.reduce_scatter_tensor(x.contiguous(), "sum", group.size, group.name))
     return out if sizes[group.rank] == width else out[: sizes[group.rank]]
 
@@ -173,9 +169,3 @@ def shift(
 def _none_of(x: Tensor, shape: Sequence[int]) -> Tensor:
     """An empty tensor of ``shape`` that the graph computes from ``x``."""
     return x.reshape(-1)[:0].view(tuple(shape)).to(x.dtype)
-
-
-def _pad_rows(x: Tensor, rows: int) -> Tensor:
-    if x.shape[0] == rows:
-        return x.contiguous()
-    return torch.cat([x, x.new_zeros((rows - x.shape[0], *x.shape[1:]))])
