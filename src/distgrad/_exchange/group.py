@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,11 +55,35 @@ class Group:
         object.__setattr__(self, "is_nccl", "nccl" in self.backend)
         object.__setattr__(self, "key", (id(self.pg), self.name))
 
+    def offset(self, counts: Sequence[int]) -> int:
+        """``sum(counts[:rank])``: this rank's first row when group rank r holds ``counts[r]``.
+
+        Written as arithmetic on the rank, never as an index or a branch, when the rank is not
+        a Python int: under ``simulate=True`` (``distgrad.testing``) it is one per-rank value
+        (a SymInt), and arithmetic keeps it one, so every rank's offset comes out of one
+        Python run; an index would have to pick one rank's value for all."""
+        rank = self.rank
+        if type(rank) is int:
+            return sum(counts[:rank])
+        return sum(c * _at_least(rank, i + 1) for i, c in enumerate(counts))
+
+    def own(self, counts: Sequence[int]) -> int:
+        """``counts[rank]``, as :meth:`offset` writes it (arithmetic on a per-rank rank)."""
+        rank = self.rank
+        if type(rank) is int:
+            return counts[rank]
+        return sum(c * (_at_least(rank, i) - _at_least(rank, i + 1)) for i, c in enumerate(counts))
+
     def global_rank(self, group_rank: int) -> int:
         """The global rank of the process with rank ``group_rank`` in this group."""
         if self.pg is None:
             return group_rank
         return self.members[group_rank]
+
+
+def _at_least(rank: Any, i: int) -> Any:
+    """1 where ``rank >= i``, else 0, as arithmetic (no comparison: see Group.offset)."""
+    return torch.sym_min(torch.sym_max(rank - i + 1, 0), 1)
 
 
 _ALONE = Group(pg=None, rank=0, size=1)
