@@ -9,8 +9,9 @@ exchanges: each op's row says what happened). Seven parts, each a table in the r
   test suite runs on CPU) against single-process autograd, float64 and float32.
 * ``losses``: every loss function and loss module, dense and ring paths, float32 and under
   bfloat16 autocast, against the float64 single-process loss of the same features, with the
-  tolerances of docs/losses.md and tests/test_precision.py; then CLIP's forward+backward time
-  and peak memory at world size 1, dense and ring against plain torch (one logits matrix).
+  tolerances of docs/losses.md and tests/losses/test_precision.py; then CLIP's
+  forward+backward time and peak memory at world size 1, dense and ring against plain torch
+  (one logits matrix).
 * ``sync``: every op and loss past the checked calls, one by one, under
   ``torch.cuda.set_sync_debug_mode("warn")`` (each host synchronisation listed), then a
   training step under ``"error"``.
@@ -24,7 +25,8 @@ exchanges: each op's row says what happened). Seven parts, each a table in the r
   paired ratios.
 
 ``--device cpu`` runs every part on gloo with CPU tensors at small sizes, to prove the
-command's logic where no GPU is present (the test suite does that, tests/test_gpu_check.py);
+command's logic where no GPU is present (the test suite does that:
+tests/benchmarks/test_gpu_check.py);
 it writes ``results/gpu_check_cpu.md``, which is labelled as a CPU run. ``results/gpu_check.md``
 is reserved for GPU runs. A part that cannot run on the hardware present says so in a row
 ("not run: ..."); none is silently left out. ``--parts`` picks parts.

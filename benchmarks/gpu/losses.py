@@ -62,8 +62,8 @@ LOSSES = [
 ]
 PRECISIONS = ("float32", "bfloat16 autocast")
 # docs/losses.md and tests/losses/test_modules.py (float32: rtol 1e-5, atol 1e-6);
-# tests/test_precision.py (bfloat16: the value to 1e-5 of the float64 loss of the same
-# features, the gradients through the bfloat16 encoder to 2e-2 of the largest).
+# tests/losses/test_precision.py (bfloat16: the value to 1e-5 of the float64 loss of the
+# same features, the gradients through the bfloat16 encoder to 2e-2 of the largest).
 LOSS_TOL = {"float32": (1e-5, 1e-5), "bfloat16 autocast": (1e-5, 2e-2)}
 
 
@@ -259,7 +259,7 @@ def part(device: str, gpus: int) -> Section:
         "on the whole batch, at the features the ranks computed, its gradient through a "
         "float64 copy of the encoder. Tolerances: float32 value and gradients 1e-5 relative "
         "(docs/losses.md); bfloat16 value 1e-5 relative (the loss computes in float32), "
-        "gradients 2e-2 of the largest (tests/test_precision.py). Encoder gradients are "
+        "gradients 2e-2 of the largest (tests/losses/test_precision.py). Encoder gradients are "
         "averaged over ranks (DDP); a module's scalars must have the single-process gradient "
         "on every rank. The result shows the worst relative errors seen. Then the time of "
         "`clip_loss`'s forward+backward at world size 1 (one process), float32, against plain "

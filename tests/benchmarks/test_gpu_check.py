@@ -20,17 +20,17 @@ from types import ModuleType
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
 PARTS = ("gradients", "losses", "sync", "guard", "compile", "memory", "timing")
 
 
 def _script() -> ModuleType:
-    """The command's module, imported as a file (benchmarks/ is not a package)."""
+    """The command's module, imported as a file (benchmarks/ is not a package; the command puts
+    its folder on ``sys.path`` for its parts, the package ``gpu``)."""
     spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = module  # its dataclasses look their module up while defined
     spec.loader.exec_module(module)
     return module
 

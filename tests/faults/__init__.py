@@ -10,7 +10,7 @@ Where each case of issue 12 lives:
 * issue 37: a killed peer named dead in tens of milliseconds at 2 and 3 ranks, never as
   running (``test_dead_peer.py``; 20 kills per op under ``-m slow``: ``test_kill_loop.py``);
   how a peer's process is judged gone, running or unknown (/proc, the liveness connection):
-  ``test_liveness.py``; a peer described at the call where it was:
+  ``tests/exchange/test_alive.py``; a peer described at the call where it was:
   ``test_blame_the_right_call.py``;
 * a rank that never arrives (a skipped backward, another group) and requires_grad on some
   ranks only: ``test_never_arrives.py``;

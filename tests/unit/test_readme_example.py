@@ -31,7 +31,7 @@ import torch
 from distgrad.testing import run_on_ranks
 from tests._support import FLOAT64_ROUNDING, seeded
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 B_LOCAL, DIM = 3, 5
 
 
