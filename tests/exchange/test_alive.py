@@ -1,4 +1,4 @@
-"""distgrad's liveness check never takes a peer for dead on a guess.
+"""distgrad's liveness check (``distgrad._exchange.alive``) never takes a peer for dead on a guess.
 
 Semantics asserted, in one process whose default store holds made-up peers' addresses: a peer
 on this machine whose port refuses connections is gone; a peer that claims another machine
