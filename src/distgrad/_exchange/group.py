@@ -24,7 +24,15 @@ from distgrad import _mesh
 from distgrad._exchange import alive as _alive
 from distgrad.errors import CollectiveArgumentError
 
-__all__ = ["Group", "ProcessGroup", "forget_destroyed", "on_forget", "resolve"]
+__all__ = [
+    "Group",
+    "ProcessGroup",
+    "first_row",
+    "forget_destroyed",
+    "on_forget",
+    "own_rows",
+    "resolve",
+]
 
 ProcessGroup = dist.ProcessGroup
 
@@ -56,23 +64,13 @@ class Group:
         object.__setattr__(self, "key", (id(self.pg), self.name))
 
     def offset(self, counts: Sequence[int]) -> int:
-        """``sum(counts[:rank])``: this rank's first row when group rank r holds ``counts[r]``.
-
-        Written as arithmetic on the rank, never as an index or a branch, when the rank is not
-        a Python int: under ``simulate=True`` (``distgrad.testing``) it is one per-rank value
-        (a SymInt), and arithmetic keeps it one, so every rank's offset comes out of one
-        Python run; an index would have to pick one rank's value for all."""
-        rank = self.rank
-        if type(rank) is int:
-            return sum(counts[:rank])
-        return sum(c * _at_least(rank, i + 1) for i, c in enumerate(counts))
+        """``sum(counts[:rank])``: this rank's first row when group rank r holds ``counts[r]``
+        (:func:`first_row`, which also takes a per-rank rank)."""
+        return first_row(counts, self.rank)
 
     def own(self, counts: Sequence[int]) -> int:
-        """``counts[rank]``, as :meth:`offset` writes it (arithmetic on a per-rank rank)."""
-        rank = self.rank
-        if type(rank) is int:
-            return counts[rank]
-        return sum(c * (_at_least(rank, i) - _at_least(rank, i + 1)) for i, c in enumerate(counts))
+        """``counts[rank]``, as :func:`own_rows` writes it."""
+        return own_rows(counts, self.rank)
 
     def global_rank(self, group_rank: int) -> int:
         """The global rank of the process with rank ``group_rank`` in this group."""
@@ -81,8 +79,27 @@ class Group:
         return self.members[group_rank]
 
 
+def first_row(counts: Sequence[int], rank: int) -> int:
+    """``sum(counts[:rank])``: rank ``rank``'s first row when rank r holds ``counts[r]``.
+
+    Written as arithmetic on the rank, never as an index or a branch, when the rank is not a
+    Python int: under ``simulate=True`` (``distgrad.testing``) it is one per-rank value (a
+    SymInt holding every rank's), and arithmetic keeps it one, so every rank's offset comes
+    out of one Python run, where an index would pick one rank's value for all."""
+    if type(rank) is int:
+        return sum(counts[:rank])
+    return sum(c * _at_least(rank, i + 1) for i, c in enumerate(counts))
+
+
+def own_rows(counts: Sequence[int], rank: int) -> int:
+    """``counts[rank]``, written as :func:`first_row` writes it."""
+    if type(rank) is int:
+        return counts[rank]
+    return sum(c * (_at_least(rank, i) - _at_least(rank, i + 1)) for i, c in enumerate(counts))
+
+
 def _at_least(rank: Any, i: int) -> Any:
-    """1 where ``rank >= i``, else 0, as arithmetic (no comparison: see Group.offset)."""
+    """1 where ``rank >= i``, else 0, as arithmetic (no comparison: see first_row)."""
     return torch.sym_min(torch.sym_max(rank - i + 1, 0), 1)
 
 

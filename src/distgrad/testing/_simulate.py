@@ -32,6 +32,7 @@ silently follow rank 0's path: a wrong answer. Here:
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -45,7 +46,7 @@ from torch.utils import _pytree
 from distgrad._exchange import group as _group
 from distgrad.errors import CheckArgumentError, DistgradError
 
-__all__ = ["DROP", "local", "per_rank", "run_simulated", "stacked"]
+__all__ = ["DROP", "local", "per_rank", "run_simulated", "run_spmd", "stacked"]
 
 DROP = "drop simulate=True (distgrad check: without --simulate) to check it on processes"
 
@@ -99,6 +100,29 @@ def run_simulated(body: Callable[[], list[_R]], world_size: int, who: str) -> li
         ) from exc
     finally:
         torch.set_rng_state(rng)
+
+
+def run_spmd(fn: Callable[..., Any], world_size: int, args: Sequence[Any], who: str) -> list[Any]:
+    """Each rank's return value of ``fn(rank, world_size, *args)``, every rank simulated in
+    this process: ``rank`` is one per-rank int (a SymInt holding each rank's value), so ``fn``
+    runs once for all ranks where it uses the rank as data (arithmetic, ``torch.arange(n) +
+    rank * n``, ``Group.offset``); the tensors it returns are split into each rank's value."""
+
+    def body() -> list[Any]:
+        out = fn(dist.get_rank(), world_size, *args)
+        ranks = range(world_size)
+        return [_pytree.tree_map(functools.partial(_value_on, rank=r), out) for r in ranks]
+
+    return run_simulated(body, world_size, who)
+
+
+def _value_on(value: Any, *, rank: int) -> Any:
+    """Rank ``rank``'s value of one leaf of a simulated result."""
+    if isinstance(value, Tensor):
+        return local(value, rank).detach().clone()
+    if isinstance(value, torch.SymInt) and isinstance(value.node, _lt().LocalIntNode):
+        return int(value.node._local_ints[rank])
+    return value
 
 
 def _one_run(body: Callable[[], list[_R]], run: _Run, who: str) -> tuple[_Run, list[_R]]:

@@ -47,6 +47,7 @@ from datetime import timedelta
 from typing import Any, Literal
 
 from distgrad.errors import RankFailedError
+from distgrad.testing import _simulate
 
 __all__ = ["run_on_ranks"]
 
@@ -134,6 +135,7 @@ def run_on_ranks(
     grace: float = _GRACE_S,
     backend: str = "gloo",
     init: Init = "process_group",
+    simulate: bool = False,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` new local processes.
 
@@ -157,7 +159,23 @@ def run_on_ranks(
     is gone fails after ``collective_timeout`` seconds (default: a third of ``timeout``); a rank
     hung anywhere else prints its stack and exits shortly before ``timeout``.
     Processes are always reaped and the rendezvous folder removed.
+
+    ``simulate=True`` starts no process: every rank runs in this one (torch's
+    ``LocalTensorMode`` over a ``fake`` process group, docs/checker.md "Simulated ranks").
+    ``rank`` is then one per-rank int and ``fn`` runs once for all ranks where it uses the
+    rank as data; each returned tensor is split into each rank's value. Code that cannot be
+    simulated truthfully raises :class:`~distgrad.errors.CheckArgumentError` (an error of
+    ``fn`` itself propagates as it is); ``timeout``, ``collective_timeout``, ``grace`` and
+    ``backend`` do not apply, and ``init`` must be ``"process_group"``.
     """
+    if simulate:
+        if init != "process_group":
+            raise ValueError(
+                f"run_on_ranks: simulate=True needs init='process_group', got {init!r}"
+            )
+        if world_size < 1:
+            raise ValueError(f"run_on_ranks: world_size must be at least 1, got {world_size}")
+        return _simulate.run_spmd(fn, world_size, args, "run_on_ranks")
     if world_size < 1:
         raise ValueError(f"run_on_ranks: world_size must be at least 1, got {world_size}")
     if timeout <= 0:
