@@ -63,15 +63,6 @@ class Group:
         object.__setattr__(self, "is_nccl", "nccl" in self.backend)
         object.__setattr__(self, "key", (id(self.pg), self.name))
 
-    def offset(self, counts: Sequence[int]) -> int:
-        """``sum(counts[:rank])``: this rank's first row when group rank r holds ``counts[r]``
-        (:func:`first_row`, which also takes a per-rank rank)."""
-        return first_row(counts, self.rank)
-
-    def own(self, counts: Sequence[int]) -> int:
-        """``counts[rank]``, as :func:`own_rows` writes it."""
-        return own_rows(counts, self.rank)
-
     def global_rank(self, group_rank: int) -> int:
         """The global rank of the process with rank ``group_rank`` in this group."""
         if self.pg is None:
@@ -100,7 +91,7 @@ def own_rows(counts: Sequence[int], rank: int) -> int:
 
 def _at_least(rank: Any, i: int) -> Any:
     """1 where ``rank >= i``, else 0, as arithmetic (no comparison: see first_row)."""
-    return torch.sym_min(torch.sym_max(rank - i + 1, 0), 1)
+    return torch.sym_min(torch.sym_max(rank - i + 1, 0), 1)  # type: ignore[no-untyped-call]
 
 
 _ALONE = Group(pg=None, rank=0, size=1)

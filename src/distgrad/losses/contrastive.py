@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import FunctionCtx
 
-from distgrad._exchange.group import Group, resolve
+from distgrad._exchange.group import Group, first_row, resolve
 from distgrad._mesh import GroupLike
 from distgrad.collectives._signature import checks_this_call
 from distgrad.collectives.all_gather import apply_all_gather
@@ -261,7 +261,7 @@ def info_nce(
             if block is not None:
                 return _ring_info_nce(q, k, 1 / t, g, rows, block)
             keys = apply_all_gather(k, g, rows, 0)  # [B, D]
-            offset, total = g.offset(rows), sum(rows)
+            offset, total = first_row(rows, g.rank), sum(rows)
             logits = q @ keys.T / t  # [B_l, B]; positives at column offset + i
             labels = torch.arange(len(q), device=q.device) + offset
             return global_mean(F.cross_entropy(logits, labels, reduction="sum"), total, g)
@@ -305,7 +305,7 @@ def _dense_retrieval(
     if symmetric:
         row, partial = _RowsAndColumns.apply(logits)  # type: ignore[no-untyped-call]
         every, _ = _column_logsumexp(partial, partial.new_zeros(()), g)  # [B]
-        offset = g.offset(rows)
+        offset = first_row(rows, g.rank)
         col = every[offset : offset + len(q)]
     else:
         row = logits.logsumexp(1)
@@ -380,7 +380,7 @@ def clip_loss(
         if block is not None:
             return _ring_clip(x, y, s, g, rows, block)
         all_y = y if g.size == 1 else apply_all_gather(y, g, rows, 0)  # [B, D]: the texts
-        offset, total = g.offset(rows), sum(rows)
+        offset, total = first_row(rows, g.rank), sum(rows)
         logits = (s * x) @ all_y.T  # [B_l, B]; pair i at column offset + i
         # pair i's logit, from the gathered texts: a view, so nothing more is saved for backward
         positive = s * (x * all_y[offset : offset + len(x)]).sum(1)  # [B_l]
@@ -464,7 +464,7 @@ def nt_xent(
         if block is not None:
             return _ring_nt_xent(z1, z2, 1 / t, g, rows, block)
         first, second = apply_all_gather(z1, g, rows, 0), apply_all_gather(z2, g, rows, 0)
-        offset, total = g.offset(rows), sum(rows)  # first, second: [B, D] each
+        offset, total = first_row(rows, g.rank), sum(rows)  # first, second: [B, D] each
         candidates = torch.cat([first, second])  # [2B, D]: every first view, then every second
         anchors = torch.cat([z1, z2])  # [2 B_l, D]
         logits = anchors @ candidates.T / t  # [2 B_l, 2B]
