@@ -77,14 +77,14 @@ def first_row(counts: Sequence[int], rank: int) -> int:
     Python int: under ``simulate=True`` (``distgrad.testing``) it is one per-rank value (a
     SymInt holding every rank's), and arithmetic keeps it one, so every rank's offset comes
     out of one Python run, where an index would pick one rank's value for all."""
-    if type(rank) is int:
+    if isinstance(rank, int):
         return sum(counts[:rank])
     return sum(c * _at_least(rank, i + 1) for i, c in enumerate(counts))
 
 
 def own_rows(counts: Sequence[int], rank: int) -> int:
     """``counts[rank]``, written as :func:`first_row` writes it."""
-    if type(rank) is int:
+    if isinstance(rank, int):
         return counts[rank]
     return sum(c * (_at_least(rank, i) - _at_least(rank, i + 1)) for i, c in enumerate(counts))
 
