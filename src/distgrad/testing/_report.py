@@ -1,9 +1,11 @@
-"""The checker's report: a per-rank, per-tensor table and a diagnosis in words to act on.
+"""The checkers' reports: every distributed value against the single-process truth in a
+table, and the diagnosis (``_diagnose``, one engine for both checkers) in words to act on.
 
-Vocabulary: ``N`` ranks; ``L`` the single-process loss; ``J = sum_r loss_r`` what the ranks
-differentiate together; ``m`` the factor the input gradients must carry for the training update
-to equal single-process training: ``N`` when gradients are averaged over ranks (DDP), ``1`` when
-they are summed. Every distributed gradient is compared with ``m`` times the reference.
+Vocabulary of :class:`GradReport`: ``N`` ranks; ``L`` the single-process loss;
+``J = sum_r loss_r`` what the ranks differentiate together; ``m`` the factor the input
+gradients must carry for the training update to equal single-process training: ``N`` when
+gradients are averaged over ranks (DDP), ``1`` when they are summed. Every distributed
+gradient is compared with ``m`` times the reference.
 """
 
 from __future__ import annotations
@@ -17,6 +19,34 @@ import torch
 from torch import Tensor
 
 from distgrad.errors import GradientMismatchError
+from distgrad.testing._diagnose import (
+    Finding,
+    Misrouted,
+    NoGradient,
+    NonFinite,
+    RankDependent,
+    Row,
+    Scaled,
+    Tolerance,
+    Unreduced,
+    compare,
+    diagnose,
+    loss_factor,
+    near,
+)
+
+__all__ = [
+    "Combine",
+    "GradReport",
+    "ModelReport",
+    "ParameterCheck",
+    "RunResult",
+    "TensorCheck",
+    "build_report",
+    "parameter_words",
+]
+
+Combine = Literal["averaged", "summed"]
 
 
 @dataclass(frozen=True)
@@ -27,11 +57,6 @@ class RunResult:
     loss: float
     input_grads: dict[str, Tensor | None]
     param_grads: dict[str, Tensor | None]
-
-
-__all__ = ["GradReport", "TensorCheck", "build_report"]
-
-Combine = Literal["averaged", "summed"]
 
 
 @dataclass(frozen=True)
@@ -101,11 +126,10 @@ class GradReport:
         return "\n".join(line.rstrip() for line in lines)
 
     def __str__(self) -> str:
-        losses = ", ".join(f"{x:.6g}" for x in self.losses)
         head = [
             f"distgrad check on {self.world_size} ranks, gradients {self.combine} over ranks: "
             + ("AGREE" if self.ok else "MISMATCH"),
-            f"loss: single process {self.reference_loss:.6g}; per rank [{losses}]",
+            f"loss: single process {self.reference_loss:.6g}; per rank {_floats(self.losses)}",
         ]
         if self.params_agree:
             ways = "; ".join(
@@ -132,32 +156,46 @@ def build_report(
     shard_dim: int,
     *,
     combine: Combine,
-    rtol: float,
-    atol: float,
+    tol: Tolerance,
     probe: Callable[[], Sequence[RunResult]],
 ) -> GradReport:
+    """check_against_single_process's report. ``probe`` runs the job again with only rank 0
+    back-propagating (gradients that reach other ranks then crossed a rank)."""
     n = len(results)
     factor = float(n if combine == "averaged" else 1)
-    checks = _input_checks(reference, results, sizes, shard_dim, factor, rtol, atol)
-    checks += _param_checks(reference, results, combine, rtol, atol)
+    rows = _input_rows(reference, results, sizes, shard_dim, factor, tol)
+    rows += _param_rows(reference, results, combine, tol)
+    checks = [
+        TensorCheck(r.name, _rank(r), r.ok, r.max_abs_error, r.max_rel_error, r.scale, r.note)
+        for r in rows
+    ]
     report = GradReport(n, combine, reference.loss, [r.loss for r in results], checks)
     if reference.param_grads:
         report.params_agree = {
-            way: all(c.ok for c in _param_checks(reference, results, way, rtol, atol))
+            way: all(r.ok for r in _param_rows(reference, results, way, tol))
             for way in ("averaged", "summed")
         }
     ways: tuple[tuple[Combine, float], ...] = (("averaged", float(n)), ("summed", 1.0))
     report.contracts = {
         way: all(
-            c.ok
-            for c in _input_checks(reference, results, sizes, shard_dim, scale, rtol, atol)
-            + _param_checks(reference, results, way, rtol, atol)
+            r.ok
+            for r in _input_rows(reference, results, sizes, shard_dim, scale, tol)
+            + _param_rows(reference, results, way, tol)
         )
         for way, scale in ways
     }
-    report.diagnoses = _diagnose(
-        report, reference, results, sizes, shard_dim, factor, rtol, atol, probe
+
+    def crossed() -> bool:
+        return any(
+            g is not None and g.numel() > 0 and bool(g.abs().max() > 0)
+            for result in probe()[1:]
+            for g in result.input_grads.values()
+        )
+
+    finding = diagnose(
+        rows, tol, sizes={"ranks": n}, losses=(reference.loss, report.losses), crossed=crossed
     )
+    report.diagnoses = _loss_words(finding, report, rows, sizes, tol)
     return report
 
 
@@ -183,48 +221,21 @@ def _contract_sentence(contracts: dict[str, bool], n: int) -> str:
     return "neither the summed nor the averaged gradients equal one process's (see below)."
 
 
-def _compare(
-    name: str,
-    rank: int | None,
-    got: Tensor | None,
-    expected: Tensor | None,
-    rtol: float,
-    atol: float,
-    note: str = "",
-) -> TensorCheck:
-    if expected is None:
-        expected = torch.zeros_like(got) if got is not None else torch.zeros(())
-    if got is None:
-        got = torch.zeros_like(expected)
-    got64, exp64 = got.double(), expected.double()
-    diff = (got64 - exp64).abs()
-    max_abs = float(diff.max()) if diff.numel() else 0.0
-    if not torch.isfinite(got64).all():
-        max_abs = math.inf
-    scale_of = float(exp64.abs().max()) if exp64.numel() else 0.0
-    max_rel = max_abs / scale_of if scale_of > 0 else (0.0 if max_abs == 0 else math.inf)
-    ok = bool(torch.allclose(got64, exp64, rtol=rtol, atol=atol)) and math.isfinite(max_abs)
-    denom = float((exp64 * exp64).sum())
-    scale = float((got64 * exp64).sum()) / denom if denom > 0 else None
-    return TensorCheck(name, rank, ok, max_abs, max_rel, scale, note)
-
-
 def _slice(t: Tensor | None, sizes: Sequence[int], dim: int, rank: int) -> Tensor | None:
     if t is None or t.dim() == 0:
         return t
     return torch.split(t, list(sizes), dim=dim)[rank]
 
 
-def _input_checks(
+def _input_rows(
     reference: RunResult,
     results: Sequence[RunResult],
     sizes: Sequence[int],
     dim: int,
     factor: float,
-    rtol: float,
-    atol: float,
-) -> list[TensorCheck]:
-    checks = []
+    tol: Tolerance,
+) -> list[Row]:
+    rows = []
     for name, ref_grad in reference.input_grads.items():
         if ref_grad is not None and ref_grad.dim() == 0:
             # A 0-dim input goes whole to every rank, like a parameter: combine the ranks'
@@ -232,68 +243,49 @@ def _input_checks(
             present = [g for r in results if (g := r.input_grads.get(name)) is not None]
             combined = torch.stack(present).sum(0) / factor if present else None
             way = "summed" if factor == 1 else "averaged"
-            checks.append(_compare(name, None, combined, ref_grad, rtol, atol, way))
+            rows.append(compare(name, None, combined, ref_grad, tol, way))
             continue
         for rank, result in enumerate(results):
             expected = _slice(ref_grad, sizes, dim, rank)
             expected = None if expected is None else factor * expected
-            checks.append(_compare(name, rank, result.input_grads.get(name), expected, rtol, atol))
-    return checks
+            rows.append(compare(name, (rank,), result.input_grads.get(name), expected, tol))
+    return rows
 
 
-def _param_checks(
-    reference: RunResult,
-    results: Sequence[RunResult],
-    combine: Combine,
-    rtol: float,
-    atol: float,
-) -> list[TensorCheck]:
-    checks = []
+def _param_rows(
+    reference: RunResult, results: Sequence[RunResult], combine: Combine, tol: Tolerance
+) -> list[Row]:
+    rows = []
     for name, ref_grad in reference.param_grads.items():
-        per_rank = [r.param_grads.get(name) for r in results]
-        present = [g for g in per_rank if g is not None]
+        present = [g for r in results if (g := r.param_grads.get(name)) is not None]
         combined = torch.stack(present).sum(0) if present else None
         if combined is not None and combine == "averaged":
             combined = combined / len(results)
-        checks.append(_compare(f"param {name}", None, combined, ref_grad, rtol, atol, combine))
-    return checks
+        rows.append(compare(f"param {name}", None, combined, ref_grad, tol, combine))
+    return rows
 
 
-def _close(a: float, b: float, rtol: float) -> bool:
-    return abs(a - b) <= max(1e-12, 10 * rtol * max(abs(a), abs(b)))
-
-
-def _diagnose(
+def _loss_words(
+    finding: Finding,
     report: GradReport,
-    reference: RunResult,
-    results: Sequence[RunResult],
+    rows: Sequence[Row],
     sizes: Sequence[int],
-    dim: int,
-    factor: float,
-    rtol: float,
-    atol: float,
-    probe: Callable[[], Sequence[RunResult]],
+    tol: Tolerance,
 ) -> list[str]:
+    """The diagnosis of :class:`GradReport`, in sentences."""
     n = report.world_size
-    out: list[str] = []
-    if not all(math.isfinite(x) for x in report.losses) or any(
-        c.max_abs_error == math.inf for c in report.checks
-    ):
-        bad = sorted(
-            c.rank for c in report.checks if c.max_abs_error == math.inf and c.rank is not None
-        )
-        out.append(
+    if isinstance(finding, NonFinite):
+        ranks = [p[0] for p in finding.places]
+        return [
             "non-finite values (NaN or Inf) in the distributed loss or gradients"
-            + (f" on ranks {bad}" if bad else "")
+            + (f" on ranks {ranks}" if ranks else "")
             + " while the single-process run"
-            + (" is finite." if math.isfinite(reference.loss) else " is not finite either.")
-        )
-        return out
-    loss_factor = _loss_factor(report)
-    if loss_factor is None:
-        out.append(
-            f"the forward pass already differs: the ranks' losses {_floats(report.losses)} fit no "
-            "convention (each rank's loss equal to the single-process "
+            + (" is finite." if math.isfinite(report.reference_loss) else " is not finite either.")
+        ]
+    if finding == "forward differs":
+        return [
+            f"the forward pass already differs: the ranks' losses {_floats(report.losses)} fit "
+            "no convention (each rank's loss equal to the single-process "
             f"{report.reference_loss:.6g}, or their sum equal to it, or to N times it). Check "
             "the sharding, the labels or offsets each rank uses, and that statistics are "
             "computed over the global batch."
@@ -304,35 +296,71 @@ def _diagnose(
                 if len(set(sizes)) > 1
                 else ""
             )
+        ]
+    j = loss_factor(report.reference_loss, report.losses)
+    assert j is not None  # else the forward differs
+    averaged = report.combine == "averaged"
+    if finding == "agree":
+        return [_share_advice(n)] if averaged and not near(j, n, tol.rtol) else []
+    if isinstance(finding, Scaled):
+        subject = _subject(finding.failing, rows)
+        if finding.size is None:
+            return [
+                f"{subject} scaled by {finding.factor:.4g} against the single-process gradient."
+            ]
+        if finding.factor < 1 and near(j, 1.0, tol.rtol) and averaged:
+            return [f"{subject} scaled by 1/{n}: " + _share_advice(n)]
+        if finding.factor < 1:
+            return [
+                f"{subject} scaled by 1/{n}: the backward keeps only this rank's part of "
+                "the gradient (a GatherLayer whose backward returns only the local slice, "
+                "objective='replicated', or overwriting this rank's slot of a raw all_gather). "
+                "Use dg.all_gather with its default sum contract, whose backward sums every "
+                "rank's gradient for your rows."
+            ]
+        advice = (
+            f"divide each rank's loss by {n}, or average the gradients over ranks as DDP does"
+            if not averaged
+            else "check that each rank's loss is not already summed over ranks (for example "
+            "with an all_reduce) before the backward"
         )
-        return out
-    failing = [c for c in report.checks if not c.ok]
-    if not failing:
-        if report.combine == "averaged" and not _close(loss_factor, n, rtol):
-            out.append(_share_advice(n))
-        return out
-    ranks_failing = {c.rank for c in failing if c.rank is not None}
-    some_ranks_agree = bool(ranks_failing) and len(ranks_failing) < n
-    if not some_ranks_agree:
-        subject = _subject(failing, report.checks)
-        out += _scale_diagnosis(failing, subject, n, loss_factor, report.combine, rtol)
-    if out:
-        return out
-    out += _rank_diagnosis(report, reference, results, sizes, dim, factor, rtol, atol)
-    if not out:
-        out.append(_cross_rank_diagnosis(probe(), reference))
-    return out
+        return [f"{subject} scaled by {n}: {advice}."]
+    if isinstance(finding, NoGradient):
+        return [
+            f"no gradient reaches {finding.row.name} on rank {_rank(finding.row)}: a raw "
+            "torch.distributed call (not differentiable) or a .detach() cut the graph; use the "
+            "distgrad op."
+        ]
+    if isinstance(finding, Misrouted):
+        return [
+            f"rank {_rank(row)} received the gradient of rank {owner[0]}'s rows of "
+            f"{row.name}: the backward routes slices to the wrong rank."
+            for row, owner in finding.moves
+        ]
+    if isinstance(finding, RankDependent):
+        good, bad = [p[0] for p in finding.agree], [p[0] for p in finding.differ]
+        return [
+            f"the gradients agree on ranks {good} but not on ranks {bad}: look for code that "
+            "depends on the rank (a rank-dependent offset, a rank that skips part of the "
+            "loss, or a root rank's special case)."
+        ]
+    if finding == "local-only":
+        return [
+            "the gradient misses the terms that flow through other ranks: when only rank 0 "
+            "back-propagates its loss, no other rank's inputs receive any gradient, although "
+            "rank 0's loss uses their rows. The backward is local-only (a GatherLayer whose "
+            "backward keeps only its slice, or a raw torch.distributed collective); use the "
+            "distgrad op."
+        ]
+    return [  # "no factor" (Unreduced needs replicas, which this checker has not)
+        "the gradients differ from the single-process ones by no simple factor; compare the "
+        "table above rank by rank, and check every collective's backward and the loss's "
+        "global offsets."
+    ]
 
 
-def _loss_factor(report: GradReport) -> float | None:
-    """J / L: N when every rank returns the global (or local mean) loss, 1 for shares."""
-    n, ref, total = report.world_size, report.reference_loss, sum(report.losses)
-    if all(_close(x, ref, 1e-6) for x in report.losses):
-        return float(n)
-    for candidate in (1.0, float(n)):
-        if _close(total, candidate * ref, 1e-6):
-            return candidate
-    return None
+def _rank(row: Row) -> int | None:
+    return None if row.place is None else row.place[0]
 
 
 def _share_advice(n: int) -> str:
@@ -344,21 +372,19 @@ def _share_advice(n: int) -> str:
     )
 
 
-def _subject(failing: Sequence[TensorCheck], checks: Sequence[TensorCheck]) -> str:
+def _subject(failing: Sequence[Row], rows: Sequence[Row]) -> str:
     """What a diagnosis of the failing rows is about: "every gradient" only when every row
     fails, else the tensors it names (with their ranks when only some fail) and those that
     agree, e.g. "the gradient of k (q agrees) is"."""
-    if len(failing) == len(checks):
+    if len(failing) == len(rows):
         return "every gradient is"
-    names = list(dict.fromkeys(c.name for c in failing))
+    names = list(dict.fromkeys(r.name for r in failing))
     parts = []
     for name in names:
-        rows = [c for c in checks if c.name == name]
-        bad = sorted(c.rank for c in failing if c.name == name and c.rank is not None)
-        partial = len(bad) < len([c for c in rows if c.rank is not None])
-        parts.append(f"{name} on ranks {bad}" if partial else name)
-    agree = [c.name for c in checks if c.name not in names]
-    agreeing = list(dict.fromkeys(agree))
+        placed = [r for r in rows if r.name == name and r.place is not None]
+        bad = sorted(r.place[0] for r in failing if r.name == name and r.place is not None)
+        parts.append(f"{name} on ranks {bad}" if len(bad) < len(placed) else name)
+    agreeing = list(dict.fromkeys(r.name for r in rows if r.name not in names))
     text = ("the gradient of " if len(parts) == 1 else "the gradients of ") + _listing(parts)
     if agreeing:
         text += f" ({_listing(agreeing)} {'agrees' if len(agreeing) == 1 else 'agree'})"
@@ -369,127 +395,109 @@ def _listing(items: Sequence[str]) -> str:
     return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
 
 
-def _scale_diagnosis(
-    failing: Sequence[TensorCheck],
-    subject: str,
-    n: int,
-    loss_factor: float,
-    combine: Combine,
-    rtol: float,
-) -> list[str]:
-    scales = [c.scale for c in failing]
-    if any(s is None for s in scales):
-        return []
-    common = [s for s in scales if s is not None]
-    if not all(_close(s, common[0], 1e-3) for s in common):
-        return []
-    k = common[0]
-    if _close(k, 1.0 / n, 1e-3):
-        if _close(loss_factor, 1.0, rtol) and combine == "averaged":
-            return [f"{subject} scaled by 1/{n}: " + _share_advice(n)]
-        return [
-            f"{subject} scaled by 1/{n}: the backward keeps only this rank's part of "
-            "the gradient (a GatherLayer whose backward returns only the local slice, "
-            "objective='replicated', or overwriting this rank's slot of a raw all_gather). "
-            "Use dg.all_gather with its default sum contract, whose backward sums every "
-            "rank's gradient for your rows."
-        ]
-    if _close(k, float(n), 1e-3):
-        advice = (
-            f"divide each rank's loss by {n}, or average the gradients over ranks as DDP does"
-            if combine == "summed"
-            else "check that each rank's loss is not already summed over ranks (for example "
-            "with an all_reduce) before the backward"
-        )
-        return [f"{subject} scaled by {n}: {advice}."]
-    if not _close(k, 1.0, 1e-3):
-        return [f"{subject} scaled by {k:.4g} against the single-process gradient."]
-    return []
-
-
-def _rank_diagnosis(
-    report: GradReport,
-    reference: RunResult,
-    results: Sequence[RunResult],
-    sizes: Sequence[int],
-    dim: int,
-    factor: float,
-    rtol: float,
-    atol: float,
-) -> list[str]:
-    out = []
-    per_rank = [c for c in report.checks if c.rank is not None]
-    bad_ranks = sorted({c.rank for c in per_rank if not c.ok and c.rank is not None})
-    good_ranks = sorted({c.rank for c in per_rank if c.rank is not None} - set(bad_ranks))
-    for check in per_rank:
-        if check.ok or check.rank is None:
-            continue
-        got = results[check.rank].input_grads.get(check.name)
-        if got is None or not bool(got.abs().max() > 0 if got.numel() else False):
-            out.append(
-                f"no gradient reaches {check.name} on rank {check.rank}: a raw torch.distributed "
-                "call (not differentiable) or a .detach() cut the graph; use the distgrad op."
-            )
-            return out
-        owner = _gradient_owner(
-            got, reference.input_grads.get(check.name), sizes, dim, factor, rtol, atol
-        )
-        if owner is not None and owner != check.rank:
-            out.append(
-                f"rank {check.rank} received the gradient of rank {owner}'s rows of "
-                f"{check.name}: the backward routes slices to the wrong rank."
-            )
-    if not out and bad_ranks and good_ranks:
-        out.append(
-            f"the gradients agree on ranks {good_ranks} but not on ranks {bad_ranks}: look for "
-            "code that depends on the rank (a rank-dependent offset, a rank that skips part of "
-            "the loss, or a root rank's special case)."
-        )
-    return out
-
-
-def _gradient_owner(
-    got: Tensor,
-    ref_grad: Tensor | None,
-    sizes: Sequence[int],
-    dim: int,
-    factor: float,
-    rtol: float,
-    atol: float,
-) -> int | None:
-    if ref_grad is None:
-        return None
-    for owner in range(len(sizes)):
-        candidate = _slice(ref_grad, sizes, dim, owner)
-        if (
-            candidate is not None
-            and candidate.shape == got.shape
-            and torch.allclose(got.double(), factor * candidate.double(), rtol=rtol, atol=atol)
-        ):
-            return owner
-    return None
-
-
-def _cross_rank_diagnosis(probe_results: Sequence[RunResult], reference: RunResult) -> str:
-    crossed = any(
-        g is not None and g.numel() > 0 and bool(g.abs().max() > 0)
-        for result in probe_results[1:]
-        for g in result.input_grads.values()
-    )
-    if not crossed:
-        return (
-            "the gradient misses the terms that flow through other ranks: when only rank 0 "
-            "back-propagates its loss, no other rank's inputs receive any gradient, although "
-            "rank 0's loss uses their rows. The backward is local-only (a GatherLayer whose "
-            "backward keeps only its slice, or a raw torch.distributed collective); use the "
-            "distgrad op."
-        )
-    return (
-        "the gradients differ from the single-process ones by no simple factor; compare the "
-        "table above rank by rank, and check every collective's backward and the loss's "
-        "global offsets."
-    )
-
-
 def _floats(values: Sequence[float]) -> str:
     return "[" + ", ".join(f"{v:.6g}" for v in values) + "]"
+
+
+@dataclass(frozen=True)
+class ParameterCheck:
+    """One parameter's gradient (``what="grad"``) or update (``"update"``: what the optimizer
+    step changed, and the value after it) at one step."""
+
+    step: int
+    name: str
+    what: str
+    ok: bool
+    max_abs_error: float
+    diagnosis: str
+
+
+@dataclass
+class ModelReport:
+    """What :func:`check_parallel_model` found; ``ok`` when every gradient and update agrees."""
+
+    mesh_shape: tuple[int, ...]
+    mesh_dim_names: tuple[str, ...]
+    reference_losses: list[float]
+    rank_losses: list[list[float]]  # [step][rank]
+    checks: list[ParameterCheck] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok for c in self.checks)
+
+    @property
+    def diagnoses(self) -> dict[str, str]:
+        """Every parameter's diagnosis: its first failing check's (gradient before update),
+        or ``agree``."""
+        found: dict[str, str] = {}
+        for check in self.checks:
+            if not check.ok and check.name not in found:
+                found[check.name] = f"{check.what}: {check.diagnosis}"
+        return {c.name: found.get(c.name, "agree") for c in self.checks}
+
+    def __str__(self) -> str:
+        mesh = ", ".join(
+            f"{n}={s}" for n, s in zip(self.mesh_dim_names, self.mesh_shape, strict=True)
+        )
+        lines = [f"mesh ({mesh}); {len(self.reference_losses)} step(s)"]
+        for step, (want, got) in enumerate(
+            zip(self.reference_losses, self.rank_losses, strict=True)
+        ):
+            lines.append(f"step {step}: loss single process {want:.6g}; per rank {_floats(got)}")
+        lines.append(f"{'parameter':<28} {'step':>4} {'what':<6} {'max abs err':>11}  diagnosis")
+        for c in self.checks:
+            if not c.ok or c.step == 0:
+                shown = "ok" if c.ok else c.diagnosis
+                lines.append(
+                    f"{c.name:<28} {c.step:>4} {c.what:<6} {c.max_abs_error:>11.2e}  {shown}"
+                )
+        lines.append("Diagnosis:")
+        wrong = {n: d for n, d in self.diagnoses.items() if d != "agree"}
+        if not wrong:
+            lines.append("- every parameter's gradient and update agree with one process")
+        for name, diagnosis in wrong.items():
+            lines.append(f"- {name}: {diagnosis}")
+        return "\n".join(lines)
+
+    def raise_if_mismatch(self) -> None:
+        """Raise :class:`GradientMismatchError` with the report unless everything agrees."""
+        if not self.ok:
+            raise GradientMismatchError(str(self))
+
+
+def parameter_words(finding: Finding, rows: Sequence[Row], tol: Tolerance) -> str:
+    """A parameter's diagnosis in :class:`ModelReport`'s words; ``rows``: its replicas."""
+    if finding == "agree":
+        return "agree"
+    if isinstance(finding, NonFinite):
+        finite = all(bool(torch.isfinite(r.want).all()) for r in rows)
+        return "non-finite values (NaN or Inf) on some ranks while the single-process value " + (
+            "is finite" if finite else "is not finite either"
+        )
+    if isinstance(finding, Unreduced):
+        if finding.how == "sum":
+            return (
+                f"missing a reduction over mesh dim {finding.dim!r}: its {finding.size} ranks "
+                "hold different parts whose sum is the single-process value (all-reduce it "
+                f"over {finding.dim!r})"
+            )
+        return (
+            f"missing an average over mesh dim {finding.dim!r}: its {finding.size} ranks hold "
+            "different values whose mean is the single-process value"
+        )
+    if isinstance(finding, Scaled) and finding.size is not None:
+        shown = f"1/{finding.size}" if finding.factor < 1 else f"{finding.size}"
+        what = "sizes of mesh dims" if " and " in finding.label else "size of mesh dim"
+        return f"scaled by {shown} (the {what} {finding.label!r})"
+    if isinstance(finding, NoGradient):
+        return "no gradient on some ranks or in one process"
+    # Any other factor, some ranks only, no pattern: the replicas and their best scale.
+    same = all(tol.close(r.got, rows[0].got) for r in rows)
+    how = "the ranks disagree" if not same else "the ranks agree with each other"
+    shown = "-" if rows[0].scale is None else f"{rows[0].scale:.4g}"
+    return (
+        f"wrong: no reduction over a mesh dim or factor explains it ({how}; best scale "
+        f"{shown}): terms are missing, as when a local-only backward (a GatherLayer) drops the "
+        "gradient that flows through other ranks' rows"
+    )

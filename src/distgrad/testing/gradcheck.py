@@ -37,8 +37,9 @@ from distgrad._exchange.handshake import debug_enabled, set_debug
 from distgrad.collectives._common import near_even
 from distgrad.errors import CheckArgumentError, NotALossError
 from distgrad.testing import _simulate
+from distgrad.testing._diagnose import Tolerance
+from distgrad.testing._ranks import copy_on, made, run_job, state_of
 from distgrad.testing._report import Combine, GradReport, RunResult, build_report
-from distgrad.testing.launch import run_on_ranks
 
 # The checker's errors live in distgrad.errors; importing them from here keeps working.
 __all__ = ["CheckArgumentError", "NotALossError", "check_against_single_process"]
@@ -58,6 +59,46 @@ class _Job:
     model_state: dict[str, Tensor] | None
     backward_ranks: tuple[int, ...] | None  # None: every rank back-propagates its loss
     debug: bool
+
+    def on_rank(self, rank: int, world_size: int) -> RunResult:
+        if self.debug:  # validate every collective call across ranks (docs/semantics.md)
+            os.environ["DISTGRAD_DEBUG"] = "1"
+            set_debug(True)
+        leaves = [_leaf(t.detach().clone()) for t in self.shards[rank]]
+        model = self._model()
+        loss = _forward(self.fn, self.names, self.by_name, leaves, model)
+        _backward(loss, 1.0 if self._back_propagates(rank) else 0.0)
+        return _result(loss, self.names, leaves, model, rank)
+
+    def every_rank(self, world_size: int) -> list[RunResult]:
+        """Every rank's run in one program (``_simulate``): ``fn`` called on tensors that hold
+        each rank's shard, one backward of every rank's loss (times 0 on a rank that does
+        not back-propagate, as on processes)."""
+        was_debug = debug_enabled()
+        set_debug(self.debug)
+        try:
+            ranks = range(world_size)
+            leaves = [
+                _leaf(_simulate.stacked([self.shards[r][i] for r in ranks]))
+                for i in range(len(self.names))
+            ]
+            model = self._model()
+            loss = _forward(self.fn, self.names, self.by_name, leaves, model)
+            weights = [
+                torch.tensor(float(self._back_propagates(r)), dtype=loss.dtype) for r in ranks
+            ]
+            _backward(loss, _simulate.stacked(weights))
+            return [_result(loss, self.names, leaves, model, r) for r in ranks]
+        finally:
+            set_debug(was_debug)
+
+    def _model(self) -> nn.Module | None:
+        if self.make_model is None or self.model_state is None:
+            return None
+        return made(self.make_model, self.model_state)
+
+    def _back_propagates(self, rank: int) -> bool:
+        return self.backward_ranks is None or rank in self.backward_ranks
 
 
 def check_against_single_process(
@@ -126,7 +167,7 @@ def check_against_single_process(
     by_name = isinstance(inputs, Mapping)
     _check_binding(fn, names, by_name, model is not None)
     sizes = _shard_sizes(tensors, shard_dim, shard_sizes, world_size)
-    rtol, atol = _tolerances(tensors, rtol, atol)
+    tol = Tolerance.default(tensors, rtol, atol)
     if simulate and len(set(sizes)) > 1:
         raise CheckArgumentError(
             f"check_against_single_process: simulate=True takes even shards only, got {sizes}: "
@@ -134,7 +175,7 @@ def check_against_single_process(
             f"(sizes[group.rank]), which one program cannot hold for every rank; {_simulate.DROP}"
         )
     reference_model = model() if model is not None else None
-    state = _state_of(reference_model)
+    state = state_of(reference_model) if reference_model is not None else None
     reference = _reference_run(fn, names, by_name, tensors, reference_model)
     shards = tuple(
         tuple(torch.split(t, sizes, dim=shard_dim)[rank] if _shardable(t) else t for t in tensors)
@@ -143,26 +184,20 @@ def check_against_single_process(
     job = _Job(fn, names, by_name, shards, model, state, None, debug)
 
     def run(job: _Job) -> list[RunResult]:
-        if simulate:
-            return _simulated_run(job, world_size)
-        return run_on_ranks(_rank_run, world_size, args=(job,), timeout=timeout)
-
-    results = run(job)
+        return run_job(
+            job, world_size, simulate=simulate, timeout=timeout, who="check_against_single_process"
+        )
 
     def probe() -> list[RunResult]:
         # Only rank 0 back-propagates: gradients that reach other ranks crossed a rank.
-        return run(_probe_job(job))
+        return run(replace(job, backward_ranks=(0,)))
 
     report = build_report(
-        reference, results, sizes, shard_dim, combine=gradients, rtol=rtol, atol=atol, probe=probe
+        reference, run(job), sizes, shard_dim, combine=gradients, tol=tol, probe=probe
     )
     if raise_on_mismatch:
         report.raise_if_mismatch()
     return report
-
-
-def _probe_job(job: _Job) -> _Job:
-    return replace(job, backward_ranks=(0,))
 
 
 def _check_binding(
@@ -203,7 +238,10 @@ def _reference_run(
 ) -> RunResult:
     """The single-process run; a torch.distributed call that needs a process group gets a hint."""
     try:
-        return _run_once(fn, names, by_name, tensors, model)
+        leaves = [_leaf(t.detach().clone()) for t in tensors]
+        loss = _forward(fn, names, by_name, leaves, model)
+        _backward(loss, 1.0)
+        return _result(loss, names, leaves, model, 0)
     except ValueError as exc:
         if dist.is_initialized() or "process group has not been initialized" not in str(exc):
             raise
@@ -263,41 +301,6 @@ def _shard_sizes(
     return list(sizes)
 
 
-def _tolerances(
-    tensors: Sequence[Tensor], rtol: float | None, atol: float | None
-) -> tuple[float, float]:
-    exact = all(t.dtype == torch.float64 for t in tensors if t.is_floating_point())
-    default = (1e-7, 1e-10) if exact else (1e-4, 1e-6)
-    return (default[0] if rtol is None else rtol, default[1] if atol is None else atol)
-
-
-def _state_of(model: nn.Module | None) -> dict[str, Tensor] | None:
-    if model is None:
-        return None
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-def _run_once(
-    fn: Callable[..., Tensor],
-    names: Sequence[str],
-    by_name: bool,
-    tensors: Sequence[Tensor],
-    model: nn.Module | None,
-    backward: bool = True,
-) -> RunResult:
-    leaves = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in tensors]
-    loss = _forward(fn, names, by_name, leaves, model)
-    value = float(loss.detach().reshape(()).item())
-    if loss.requires_grad:
-        torch.autograd.backward((loss if backward else loss * 0.0).reshape(()))
-    params = dict(model.named_parameters()) if model is not None else {}
-    return RunResult(
-        loss=value,
-        input_grads={n: _grad(t) for n, t in zip(names, leaves, strict=True)},
-        param_grads={n: _grad(p) for n, p in params.items()},
-    )
-
-
 def _forward(
     fn: Callable[..., Tensor],
     names: Sequence[str],
@@ -316,65 +319,25 @@ def _forward(
     return loss
 
 
-def _grad(t: Tensor) -> Tensor | None:
-    return None if t.grad is None else t.grad.detach().clone()
+def _leaf(t: Tensor) -> Tensor:
+    """A fresh copy of an input made a leaf: differentiated when floating-point."""
+    return t.requires_grad_(t.is_floating_point())
 
 
-def _rank_run(rank: int, world_size: int, job: _Job) -> RunResult:
-    if job.debug:  # validate every collective call across ranks (docs/semantics.md)
-        os.environ["DISTGRAD_DEBUG"] = "1"
-        set_debug(True)
-    model = job.make_model() if job.make_model is not None else None
-    if model is not None and job.model_state is not None:
-        model.load_state_dict(job.model_state)
-    backward = job.backward_ranks is None or rank in job.backward_ranks
-    return _run_once(job.fn, job.names, job.by_name, job.shards[rank], model, backward=backward)
-
-
-def _simulated_run(job: _Job, world_size: int) -> list[RunResult]:
-    """Every rank's run, in this process (``_simulate``): ``job.fn`` called on tensors that
-    hold each rank's shard, one backward of every rank's loss (times 0 on a rank that does
-    not back-propagate, as ``_run_once`` does on processes)."""
-
-    def body() -> list[RunResult]:
-        was_debug = debug_enabled()
-        set_debug(job.debug)
-        try:
-            return _simulated_ranks(job, world_size)
-        finally:
-            set_debug(was_debug)
-
-    return _simulate.run_simulated(body, world_size, "check_against_single_process")
-
-
-def _simulated_ranks(job: _Job, world_size: int) -> list[RunResult]:
-    model = job.make_model() if job.make_model is not None else None
-    if model is not None and job.model_state is not None:
-        model.load_state_dict(job.model_state)
-    leaves = [
-        _simulate.stacked([job.shards[r][i] for r in range(world_size)]).requires_grad_(
-            job.shards[0][i].is_floating_point()
-        )
-        for i in range(len(job.names))
-    ]
-    loss = _forward(job.fn, job.names, job.by_name, leaves, model)
-    values = _simulate.per_rank(loss.detach().reshape(()), world_size)
+def _backward(loss: Tensor, weight: Tensor | float) -> None:
+    """Back-propagate ``weight`` times the loss: 1 or 0 (a rank that does not back-propagate
+    still joins the backward's collectives), or one weight per rank (simulated)."""
     if loss.requires_grad:
-        backward = [
-            job.backward_ranks is None or r in job.backward_ranks for r in range(world_size)
-        ]
-        scale = _simulate.stacked([torch.tensor(float(b), dtype=loss.dtype) for b in backward])
-        torch.autograd.backward((loss * scale).reshape(()))
+        torch.autograd.backward((loss * weight).reshape(()))
+
+
+def _result(
+    loss: Tensor, names: Sequence[str], leaves: Sequence[Tensor], model: nn.Module | None, rank: int
+) -> RunResult:
+    """Rank ``rank``'s loss and gradients (a plain tensor is this process's own)."""
     params = dict(model.named_parameters()) if model is not None else {}
-    return [
-        RunResult(
-            loss=float(values[r].item()),
-            input_grads={n: _rank_grad(t, r) for n, t in zip(job.names, leaves, strict=True)},
-            param_grads={n: _rank_grad(p, r) for n, p in params.items()},
-        )
-        for r in range(world_size)
-    ]
-
-
-def _rank_grad(t: Tensor, rank: int) -> Tensor | None:
-    return None if t.grad is None else _simulate.local(t.grad, rank).detach().clone()
+    return RunResult(
+        loss=float(_simulate.local(loss.detach().reshape(()), rank).item()),
+        input_grads={n: copy_on(t.grad, rank) for n, t in zip(names, leaves, strict=True)},
+        param_grads={n: copy_on(p.grad, rank) for n, p in params.items()},
+    )

@@ -14,7 +14,8 @@
    dg.parallel shard) by concatenating the ranks' pieces along the one dim that differs, over
    the mesh dim whose ranks hold the pieces; a plain tensor of the reference's shape is a
    replica, one per rank;
-4. diagnoses every parameter at the first step where it differs (:func:`diagnose`).
+4. diagnoses every parameter's gradient and update at every step with the engine both
+   checkers share (``_diagnose``; its rows here: the replicas of the reassembled tensor).
 
 The diagnoses, per parameter, for its gradient and for its update:
 
@@ -24,6 +25,7 @@ The diagnoses, per parameter, for its gradient and for its update:
   LayerNorm's weight, never all-reduced over TP); ``missing an average`` likewise;
 * ``scaled by 1/2 (the size of mesh dim 'dp')`` or ``by 2 (...)``: a loss averaged twice, a
   gradient reduced twice, a bias added on every TP rank;
+* ``no gradient on some ranks or in one process``; ``non-finite values``;
 * ``wrong``: no reduction or factor explains it (a local-only GatherLayer drops the terms
   that flow through other ranks' rows); the best least-squares scale is shown.
 """
@@ -34,97 +36,35 @@ import functools
 import inspect
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from distgrad.errors import CheckArgumentError, GradientMismatchError
+from distgrad.errors import CheckArgumentError
 from distgrad.testing import _simulate
-from distgrad.testing.launch import run_on_ranks
+from distgrad.testing._diagnose import Row, Tolerance, compare, diagnose
+from distgrad.testing._ranks import copy_on, made, run_job, state_of
+from distgrad.testing._report import ModelReport, ParameterCheck, parameter_words
 
-__all__ = ["ModelReport", "ParameterCheck", "check_parallel_model", "diagnose"]
+__all__ = ["ModelReport", "ParameterCheck", "check_parallel_model"]
 
 Batch = Mapping[str, Tensor] | Sequence[Tensor]
 MakeOptimizer = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
 default_optimizer: MakeOptimizer = functools.partial(torch.optim.SGD, lr=0.1)
 
-
-@dataclass(frozen=True)
-class ParameterCheck:
-    """One parameter's gradient (``what="grad"``) or update (``"update"``: what the optimizer
-    step changed, and the value after it) at one step."""
-
-    step: int
-    name: str
-    what: str
-    ok: bool
-    max_abs_error: float
-    diagnosis: str
-
-
-@dataclass
-class ModelReport:
-    """What :func:`check_parallel_model` found; ``ok`` when every gradient and update agrees."""
-
-    mesh_shape: tuple[int, ...]
-    mesh_dim_names: tuple[str, ...]
-    reference_losses: list[float]
-    rank_losses: list[list[float]]  # [step][rank]
-    checks: list[ParameterCheck] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return all(c.ok for c in self.checks)
-
-    @property
-    def diagnoses(self) -> dict[str, str]:
-        """Every parameter's diagnosis: its first failing check's (gradient before update),
-        or ``agree``."""
-        found: dict[str, str] = {}
-        for check in self.checks:
-            if not check.ok and check.name not in found:
-                found[check.name] = f"{check.what}: {check.diagnosis}"
-        return {c.name: found.get(c.name, "agree") for c in self.checks}
-
-    def __str__(self) -> str:
-        mesh = ", ".join(
-            f"{n}={s}" for n, s in zip(self.mesh_dim_names, self.mesh_shape, strict=True)
-        )
-        lines = [f"mesh ({mesh}); {len(self.reference_losses)} step(s)"]
-        for step, (want, got) in enumerate(
-            zip(self.reference_losses, self.rank_losses, strict=True)
-        ):
-            lines.append(f"step {step}: loss single process {want:.6g}; per rank {_g(got)}")
-        lines.append(f"{'parameter':<28} {'step':>4} {'what':<6} {'max abs err':>11}  diagnosis")
-        for c in self.checks:
-            if not c.ok or c.step == 0:
-                shown = "ok" if c.ok else c.diagnosis
-                lines.append(
-                    f"{c.name:<28} {c.step:>4} {c.what:<6} {c.max_abs_error:>11.2e}  {shown}"
-                )
-        lines.append("Diagnosis:")
-        wrong = {n: d for n, d in self.diagnoses.items() if d != "agree"}
-        if not wrong:
-            lines.append("- every parameter's gradient and update agree with one process")
-        for name, diagnosis in wrong.items():
-            lines.append(f"- {name}: {diagnosis}")
-        return "\n".join(lines)
-
-    def raise_if_mismatch(self) -> None:
-        """Raise :class:`GradientMismatchError` with the report unless everything agrees."""
-        if not self.ok:
-            raise GradientMismatchError(str(self))
-
-
-def _g(values: Sequence[float]) -> str:
-    return "[" + ", ".join(f"{v:.6g}" for v in values) + "]"
+# What one step records per parameter: (gradient, value after the step, value before it).
+_Record = dict[str, tuple[Tensor | None, Tensor | None, Tensor | None]]
+# What a rank reports: its loss at each step, each step's record, its mesh coordinates.
+_RankRun = tuple[list[float], list[_Record], tuple[int, ...]]
 
 
 @dataclass(frozen=True)
 class _Job:
+    """Everything a rank needs, pickled to it; and the training steps every run makes."""
+
     make_model: Callable[[], nn.Module]
     parallelize: Callable[[nn.Module, Any], nn.Module]
     loss_fn: Callable[..., Tensor]
@@ -137,6 +77,91 @@ class _Job:
     steps: int
     optimizer: MakeOptimizer
     takes_mesh: bool
+
+    def on_rank(self, rank: int, world_size: int) -> _RankRun:
+        mesh = self._mesh()
+        coords = tuple(mesh.get_coordinate() or ())
+        model = self.parallelize(made(self.make_model, self.state), mesh)
+        index, parts = self._rows_of(coords)
+        local = tuple(t.tensor_split(parts)[index] if t.dim() else t for t in self.batch)
+        losses, records = self.train(model, local, mesh)
+        return [float(x) for x in losses], records, coords
+
+    def every_rank(self, world_size: int) -> list[_RankRun]:
+        """Every rank's ``on_rank``, simulated in this process (``_simulate``): one program on
+        tensors holding each rank's value; each rank's rows and coordinates from its index in
+        the mesh, as ``init_device_mesh`` lays the ranks out (row-major)."""
+        mesh = self._mesh()
+        coords = [_coordinates(r, self.mesh_shape) for r in range(world_size)]
+        model = made(self.make_model, self.state)
+        try:
+            model = self.parallelize(model, mesh)
+        except Exception as exc:  # measured: DDP's constructor fails on LocalTensor parameters
+            raise _simulate._Refused(
+                f"parallelize failed under LocalTensorMode ({type(exc).__name__}: {exc})"
+            ) from exc
+        _refuse_wrappers(model)
+        rows = [self._rows_of(c) for c in coords]
+        local = tuple(
+            _simulate.stacked([t.tensor_split(parts)[index] for index, parts in rows])
+            if t.dim()
+            else t
+            for t in self.batch
+        )
+        losses, records = self.train(model, local, mesh)
+
+        def mine(record: _Record, rank: int) -> _Record:
+            return {
+                n: (copy_on(g, rank), copy_on(a, rank), copy_on(b, rank))
+                for n, (g, a, b) in record.items()
+            }
+
+        return [
+            (
+                [float(_simulate.local(x, r)) for x in losses],
+                [mine(record, r) for record in records],
+                coords[r],
+            )
+            for r in range(world_size)
+        ]
+
+    def train(
+        self, model: nn.Module, tensors: Sequence[Tensor], mesh: Any
+    ) -> tuple[list[Tensor], list[_Record]]:
+        """``steps`` optimizer steps on ``tensors``: each step's loss and record. ``mesh`` is
+        None in the single process."""
+        opt = self.optimizer(model.parameters())
+        extra = {"mesh": mesh} if self.takes_mesh else {}
+        losses, records = [], []
+        for _ in range(self.steps):
+            opt.zero_grad(set_to_none=True)
+            before = {n: _full(p) for n, p in _named(model)}
+            if self.names is not None:
+                loss = self.loss_fn(model, **dict(zip(self.names, tensors, strict=True)), **extra)
+            else:
+                loss = self.loss_fn(model, *tensors, **extra)
+            torch.autograd.backward(loss)
+            grads = {n: _full(p.grad) for n, p in _named(model)}
+            opt.step()
+            after = {n: _full(p) for n, p in _named(model)}
+            losses.append(_full(loss.detach()))
+            records.append({n: (grads[n], after[n], before[n]) for n in after})
+        return [x for x in losses if x is not None], records
+
+    def _mesh(self) -> Any:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh("cpu", self.mesh_shape, mesh_dim_names=self.mesh_dim_names)
+
+    def _rows_of(self, coords: tuple[int, ...]) -> tuple[int, int]:
+        """Which part of the batch a rank at ``coords`` gets, and into how many it is split:
+        split over the data dims, in the order the mesh lists them."""
+        index, parts = 0, 1
+        for dim, name in enumerate(self.mesh_dim_names):
+            if name in self.data:
+                index = index * self.mesh_shape[dim] + coords[dim]
+                parts *= self.mesh_shape[dim]
+        return index, parts
 
 
 def check_parallel_model(
@@ -206,114 +231,98 @@ def check_parallel_model(
     takes_mesh = "mesh" in inspect.signature(loss_fn).parameters
 
     model = make_model()
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    losses, ref = _train(model, loss_fn, tensors, keys, steps, optimizer, takes_mesh, None)
-    ref_losses = [float(x) for x in losses]  # type: ignore[arg-type]
-    floating = [p for p in model.parameters() if p.is_floating_point()]
-    wide = all(p.dtype == torch.float64 for p in floating)
-    rtol = rtol if rtol is not None else (1e-7 if wide else 1e-4)
-    atol = atol if atol is not None else (1e-10 if wide else 1e-6)
-
     job = _Job(
-        make_model, parallelize, loss_fn, state, tensors, keys, shape, names,
+        make_model, parallelize, loss_fn, state_of(model), tensors, keys, shape, names,
         tuple(data), steps, optimizer, takes_mesh,
     )  # fmt: skip
-    results: list[Any]
-    if simulate:
-        results = _simulate.run_simulated(
-            lambda: _simulated_ranks(job, world_size), world_size, "check_parallel_model"
-        )
-    else:
-        results = run_on_ranks(_rank_run, world_size, args=(job,), timeout=timeout)
-    report = ModelReport(
-        shape, names, ref_losses, [list(x) for x in zip(*(r[0] for r in results), strict=True)]
+    losses, ref = job.train(model, tensors, None)
+    tol = Tolerance.default(list(model.parameters()), rtol, atol)
+    results = run_job(
+        job, world_size, simulate=simulate, timeout=timeout, who="check_parallel_model"
     )
-    coords = [r[2] for r in results]
+    report = ModelReport(
+        shape,
+        names,
+        [float(x) for x in losses],
+        [list(x) for x in zip(*(r[0] for r in results), strict=True)],
+    )
     missing = sorted(set(ref[0]) ^ set(results[0][1][0]))
     if missing:
         raise CheckArgumentError(
             f"check_parallel_model: parameters {missing} are not in both the plain and the "
             "parallelized model: parallelize must keep every parameter's name"
         )
+    sizes = {names[m]: shape[m] for m in range(len(shape)) if shape[m] > 1}
+    if len(sizes) > 1:  # a factor may be the product of the mesh dims' sizes
+        sizes[" and ".join(sizes)] = math.prod(sizes.values())
     for step in range(steps):
-        for name, (want_grad, want_param, before) in ref[step].items():
-            for what, index, want in (("grad", 0, want_grad), ("update", 1, want_param)):
-                pieces = [r[1][step][name][index] for r in results]
-                if want is None or any(p is None for p in pieces):
-                    ok = want is None and all(p is None for p in pieces)
-                    text = "agree" if ok else "no gradient on some ranks or in one process"
-                    report.checks.append(ParameterCheck(step, name, what, ok, 0.0, text))
-                    continue
-                probe = [r[1][0][name][2] for r in results]
-                replicas, dims = _assemble(name, pieces, coords, shape, names, want.shape, probe)
-                if what == "update":  # compare what the step changed, not the values
-                    assert before is not None
-                    old = _assemble(
-                        name, [r[1][step][name][2] for r in results], coords, shape, names,
-                        want.shape, probe,
-                    )[0]  # fmt: skip
-                    values = diagnose(replicas, want, dims, names, shape, rtol, atol)
-                    replicas = {k: v - old[k] for k, v in replicas.items()}
-                    want = want - before
-                err = max(
-                    float((v - want).abs().max()) if v.numel() else 0.0 for v in replicas.values()
-                )
-                text = diagnose(replicas, want, dims, names, shape, rtol, atol)
-                if what == "update" and text == "agree" and values != "agree":
-                    text = "the values differ from one process's although this step's update agrees"
-                report.checks.append(ParameterCheck(step, name, what, text == "agree", err, text))
+        for name, record in ref[step].items():
+            report.checks += _parameter_checks(step, name, record, results, job, sizes, tol)
     if raise_on_mismatch:
         report.raise_if_mismatch()
     return report
+
+
+def _parameter_checks(
+    step: int,
+    name: str,
+    record: tuple[Tensor | None, Tensor | None, Tensor | None],
+    results: Sequence[_RankRun],
+    job: _Job,
+    sizes: dict[str, int],
+    tol: Tolerance,
+) -> list[ParameterCheck]:
+    """One parameter's gradient and update at ``step``, reassembled from every rank's piece
+    and diagnosed (its rows: the replicas)."""
+    shape, names = job.mesh_shape, job.mesh_dim_names
+    coords = [r[2] for r in results]
+    probe = [p for r in results if (p := r[1][0][name][2]) is not None]  # initial values
+
+    def assembled(index: int) -> tuple[dict[tuple[int, ...], Tensor], tuple[int, ...]] | None:
+        """Every rank's piece of the record's ``index`` reassembled; None if one is missing."""
+        pieces = [r[1][step][name][index] for r in results]
+        whole = [p for p in pieces if p is not None]
+        want = record[index]
+        if want is None or len(whole) < len(pieces):
+            return None
+        return _assemble(name, whole, coords, shape, names, want.shape, probe)
+
+    def read(
+        got: Mapping[tuple[int, ...], Tensor], want: Tensor, dims: tuple[int, ...]
+    ) -> tuple[list[Row], str]:
+        rows = [compare(name, key, v, want, tol) for key, v in got.items()]
+        along = [(names[m], shape[m]) for m in dims]
+        finding = diagnose(rows, tol, sizes=sizes, replica_dims=along)
+        return rows, parameter_words(finding, rows, tol)
+
+    checks = []
+    for what, index in (("grad", 0), ("update", 1)):
+        want, found = record[index], assembled(index)
+        if want is None or found is None:
+            ok = want is None and all(r[1][step][name][index] is None for r in results)
+            text = "agree" if ok else "no gradient on some ranks or in one process"
+            checks.append(ParameterCheck(step, name, what, ok, 0.0, text))
+            continue
+        replicas, dims = found
+        rows, text = read(replicas, want, dims)
+        if what == "update":  # compare what the step changed, not the values
+            start, before = assembled(2), record[2]
+            assert start is not None and before is not None
+            values = text
+            rows, text = read(
+                {k: v - start[0][k] for k, v in replicas.items()}, want - before, dims
+            )
+            if text == "agree" and values != "agree":
+                text = "the values differ from one process's although this step's update agrees"
+        err = max((r.max_abs_error for r in rows), default=0.0)
+        checks.append(ParameterCheck(step, name, what, text == "agree", err, text))
+    return checks
 
 
 def _default_names(ndim: int) -> tuple[str, ...]:
     return (
         ("dp", "tp") if ndim == 2 else ("dp",) if ndim == 1 else tuple(f"d{i}" for i in range(ndim))
     )
-
-
-def _call(
-    loss_fn: Callable[..., Tensor],
-    model: nn.Module,
-    tensors: Sequence[Tensor],
-    keys: tuple[str, ...] | None,
-    takes_mesh: bool,
-    mesh: Any,
-) -> Tensor:
-    extra = {"mesh": mesh} if takes_mesh else {}
-    if keys is not None:
-        return loss_fn(model, **dict(zip(keys, tensors, strict=True)), **extra)
-    return loss_fn(model, *tensors, **extra)
-
-
-# What one step records per parameter: (gradient, value after the step, value before it).
-_Record = dict[str, tuple[Tensor | None, Tensor | None, Tensor | None]]
-
-
-def _train(
-    model: nn.Module,
-    loss_fn: Callable[..., Tensor],
-    tensors: Sequence[Tensor],
-    keys: tuple[str, ...] | None,
-    steps: int,
-    make_optimizer: MakeOptimizer,
-    takes_mesh: bool,
-    mesh: Any,
-) -> tuple[list[Tensor | None], list[_Record]]:
-    opt = make_optimizer(model.parameters())
-    losses, records = [], []
-    for _ in range(steps):
-        opt.zero_grad(set_to_none=True)
-        before = {n: _full(p) for n, p in _named(model)}
-        loss = _call(loss_fn, model, tensors, keys, takes_mesh, mesh)
-        torch.autograd.backward(loss)
-        grads = {n: _full(p.grad) for n, p in _named(model)}
-        opt.step()
-        after = {n: _full(p) for n, p in _named(model)}
-        losses.append(_full(loss.detach()))
-        records.append({n: (grads[n], after[n], before[n]) for n in after})
-    return losses, records
 
 
 # What wrappers insert into parameter names (DDP, FSDP1, activation checkpointing, compile).
@@ -339,74 +348,6 @@ def _full(t: Tensor | None) -> Tensor | None:
     return t.detach().clone()
 
 
-def _rank_run(
-    rank: int, world_size: int, job: _Job
-) -> tuple[list[float], list[_Record], tuple[int, ...]]:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh("cpu", job.mesh_shape, mesh_dim_names=job.mesh_dim_names)
-    coords = tuple(mesh.get_coordinate() or ())
-    model = job.make_model()
-    model.load_state_dict(job.state)
-    model = job.parallelize(model, mesh)
-    # This rank's rows: split over the data dims, in the order the mesh lists them.
-    index, parts = 0, 1
-    for dim, name in enumerate(job.mesh_dim_names):
-        if name in job.data:
-            index, parts = index * job.mesh_shape[dim] + coords[dim], parts * job.mesh_shape[dim]
-    local = tuple(t.tensor_split(parts)[index] if t.dim() else t for t in job.batch)
-    losses, records = _train(
-        model, job.loss_fn, local, job.names, job.steps, job.optimizer, job.takes_mesh, mesh
-    )
-    return [float(x) for x in losses], records, coords  # type: ignore[arg-type]
-
-
-def _simulated_ranks(
-    job: _Job, world_size: int
-) -> list[tuple[list[float], list[_Record], tuple[int, ...]]]:
-    """Every rank's ``_rank_run``, simulated in this process (``_simulate``): one program on
-    tensors holding each rank's value; each rank's rows and coordinates from its index in the
-    mesh, as ``init_device_mesh`` lays the ranks out (row-major)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh("cpu", job.mesh_shape, mesh_dim_names=job.mesh_dim_names)
-    coords = [_coordinates(r, job.mesh_shape) for r in range(world_size)]
-    model = job.make_model()
-    model.load_state_dict(job.state)
-    try:
-        model = job.parallelize(model, mesh)
-    except Exception as exc:  # measured: DDP's constructor fails on LocalTensor parameters
-        raise _simulate._Refused(
-            f"parallelize failed under LocalTensorMode ({type(exc).__name__}: {exc})"
-        ) from exc
-    _refuse_wrappers(model)
-    rows = [_rows_of(c, job) for c in coords]
-    local = tuple(
-        _simulate.stacked([t.tensor_split(rows[r][1])[rows[r][0]] for r in range(world_size)])
-        if t.dim()
-        else t
-        for t in job.batch
-    )
-    losses, records = _train(
-        model, job.loss_fn, local, job.names, job.steps, job.optimizer, job.takes_mesh, mesh
-    )
-
-    def mine(t: Tensor | None, rank: int) -> Tensor | None:
-        return None if t is None else _simulate.local(t, rank).clone()
-
-    return [
-        (
-            [float(_simulate.local(x, r)) for x in losses if x is not None],
-            [
-                {n: (mine(g, r), mine(a, r), mine(b, r)) for n, (g, a, b) in step.items()}
-                for step in records
-            ],
-            coords[r],
-        )
-        for r in range(world_size)
-    ]
-
-
 def _refuse_wrappers(model: nn.Module) -> None:
     """DDP's reducer (C++, buckets of raw storage) and FSDP2's sharded storage (resized in
     place) do not run on LocalTensors (measured: both fail inside torch)."""
@@ -429,15 +370,6 @@ def _coordinates(rank: int, shape: tuple[int, ...]) -> tuple[int, ...]:
         coords.append(rank % size)
         rank //= size
     return tuple(reversed(coords))
-
-
-def _rows_of(coords: tuple[int, ...], job: _Job) -> tuple[int, int]:
-    """Which part of the batch a rank at ``coords`` gets, and into how many it is split."""
-    index, parts = 0, 1
-    for dim, name in enumerate(job.mesh_dim_names):
-        if name in job.data:
-            index, parts = index * job.mesh_shape[dim] + coords[dim], parts * job.mesh_shape[dim]
-    return index, parts
 
 
 def _assemble(
@@ -504,67 +436,3 @@ def _joined(
         for k, v in groups.items()
     }
     return whole if all(w.shape == want for w in whole.values()) else None
-
-
-def diagnose(
-    replicas: Mapping[tuple[int, ...], Tensor],
-    want: Tensor,
-    dims: Sequence[int],
-    names: Sequence[str],
-    shape: Sequence[int],
-    rtol: float,
-    atol: float,
-) -> str:
-    """What the reassembled distributed tensors (one per replica, keyed by the coordinates
-    along the mesh dims ``dims``) are, compared with the single-process ``want``."""
-
-    def close(a: Tensor, b: Tensor) -> bool:
-        return bool(torch.allclose(a.to(b.dtype), b, rtol=rtol, atol=atol))
-
-    values = list(replicas.values())
-    if all(close(v, want) for v in values):
-        return "agree"
-    positions = list(dims)
-    for i, m in enumerate(positions):  # replicas that differ along one mesh dim
-        groups: dict[tuple[int, ...], list[Tensor]] = {}
-        for key, v in replicas.items():
-            groups.setdefault(key[:i] + key[i + 1 :], []).append(v)
-        if all(all(close(v, g[0]) for v in g) for g in groups.values()):
-            continue  # the replicas along this dim agree: nothing is missing over it
-        sums = [torch.stack(g).sum(0) for g in groups.values()]
-        if all(close(s, want) for s in sums):
-            return (
-                f"missing a reduction over mesh dim {names[m]!r}: its {shape[m]} ranks hold "
-                "different parts whose sum is the single-process value (all-reduce it over "
-                f"{names[m]!r})"
-            )
-        if all(close(s / len(g), want) for s, g in zip(sums, groups.values(), strict=True)):
-            return (
-                f"missing an average over mesh dim {names[m]!r}: its {shape[m]} ranks hold "
-                "different values whose mean is the single-process value"
-            )
-    first = values[0]
-    same = all(close(v, first) for v in values)
-    scale = _best_scale(first, want)
-    if same and scale is not None:
-        sizes = {names[m]: shape[m] for m in range(len(shape)) if shape[m] > 1}
-        factors = {f"{n}": s for n, s in sizes.items()}
-        if len(sizes) > 1:
-            factors[" and ".join(sizes)] = math.prod(sizes.values())
-        for label, n in factors.items():
-            for factor, shown in ((1 / n, f"1/{n}"), (float(n), f"{n}")):
-                if close(first, want * factor):
-                    what = "sizes of mesh dims" if " and " in label else "size of mesh dim"
-                    return f"scaled by {shown} (the {what} {label!r})"
-    how = "the ranks disagree" if not same else "the ranks agree with each other"
-    shown = "-" if scale is None else f"{scale:.4g}"
-    return (
-        f"wrong: no reduction over a mesh dim or factor explains it ({how}; best scale "
-        f"{shown}): terms are missing, as when a local-only backward (a GatherLayer) drops the "
-        "gradient that flows through other ranks' rows"
-    )
-
-
-def _best_scale(got: Tensor, want: Tensor) -> float | None:
-    denom = float((want * want).sum())
-    return None if denom == 0 else float((got.to(want.dtype) * want).sum()) / denom
