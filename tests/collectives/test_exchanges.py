@@ -6,8 +6,9 @@ wrong shape while eager stayed right.
 
 The traced form of each exchange (``Exchange.traced``: torch's functional collectives, what a
 compiled graph runs) gives the eager steps' values too: run eagerly here, since torch's
-functional collectives also run outside a graph. Values equal to float64 rounding (a sum over
-ranks may be added in another order by the backend's reduce-scatter)."""
+functional collectives also run outside a graph. So does a started exchange
+(``Exchange.start``, a ring's step in flight), waited for. Values equal to float64 rounding (a
+sum over ranks may be added in another order by the backend's reduce-scatter)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,12 @@ def _cases(rank: int, n: int) -> dict[str, tuple[Any, ...]]:
     to_first = [sizes[rank] if r == 0 else 0 for r in range(n)]
     from_all = [sizes[r] for r in range(n)] if rank == 0 else [0] * n
     ring = [(r + 1) % n for r in range(n)]
+    after, before = (rank + 1) % n, (rank - 1) % n
+    if n == 2:  # one block each way, of the sender's rows
+        shift = (x[None], [after], [before], [sizes[before], 3])
+    else:  # a block to each neighbour, the sources out of rank order on some ranks
+        blocks = torch.randn(2, 2, 3, generator=seeded(20 + rank), dtype=torch.float64)
+        shift = (blocks, [after, before], [before, after], [2, 3])
     return {
         "all_gather": (x, sizes),
         "reduce_scatter": (whole, sizes),
@@ -40,6 +47,7 @@ def _cases(rank: int, n: int) -> dict[str, tuple[Any, ...]]:
         "gather": (x, sizes, 0),
         "scatter": (whole if rank == 1 else None, sizes, 1, [3], torch.float64, x.device),
         "permute": (x, ring, [sizes[(rank - 1) % n], 3]),
+        "shift": shift,
     }
 
 
@@ -58,10 +66,12 @@ def _compare(rank: int, n: int) -> list[str]:
                 f"{out.device}, declared {tuple(shape)} {dtype} {device}"
             )
         traced = exchange._result(exchange.traced(x, *args, group), x)
-        try:
-            torch.testing.assert_close(traced, out, rtol=1e-15, atol=1e-15)
-        except AssertionError as error:
-            found.append(f"{exchange.name} on rank {rank}: traced form differs: {error}")
+        started = exchange._result(exchange.start(x, *args, group).wait(), x)
+        for form, value in (("traced form", traced), ("started exchange", started)):
+            try:
+                torch.testing.assert_close(value, out, rtol=1e-15, atol=1e-15)
+            except AssertionError as error:
+                found.append(f"{exchange.name} on rank {rank}: {form} differs: {error}")
     # Complex data: the traced reductions sum the real and imaginary parts as the steps do.
     z = torch.randn(sum(r + 1 for r in range(n)), 3, dtype=torch.complex128, generator=seeded(rank))
     sizes = [r + 1 for r in range(n)]

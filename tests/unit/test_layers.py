@@ -52,6 +52,13 @@ EXCHANGE_FLOORS: Layers = [
     [[f"{_X}.__init__"]],
 ]
 
+# What the layers above the collectives (losses/, parallel/) may import of the exchange layer:
+# its public declarations, the exchanges (``ops``: one object each, with the ``InFlight`` type
+# of a started one) and the group (``group``: ``Group``, ``ProcessGroup``, ``resolve``). The
+# floors below (steps, pairs, waits, the functional collectives, backends) are the exchanges'
+# own: a ring that moves blocks does it through a declared exchange (``ops.shift``).
+EXCHANGE_PUBLIC = {f"{_X}.ops", f"{_X}.group"}
+
 
 def _graph() -> Graph:
     return init_named(import_graph("distgrad"), "distgrad")
@@ -71,6 +78,15 @@ def test_the_exchange_layer_keeps_its_floors() -> None:
     graph = init_named(import_graph(_X), _X)
     violations = layer_violations(graph, EXCHANGE_FLOORS)
     assert not violations, "\n".join(violations)
+
+
+def test_losses_and_parallel_use_only_the_exchange_layers_public_declarations() -> None:
+    offenders = {
+        name: sorted(d for d in deps if d.startswith(f"{_X}.") and d not in EXCHANGE_PUBLIC)
+        for name, deps in import_graph("distgrad").items()
+        if name.startswith(("distgrad.losses", "distgrad.parallel"))
+    }
+    assert not {k: v for k, v in offenders.items() if v}, offenders
 
 
 def test_the_layer_check_refuses_an_import_upward_or_across() -> None:

@@ -16,5 +16,8 @@ Its floors, bottom first (``tests/unit/test_layers.py`` keeps them):
   ``async_op=True`` branch and its traced form;
 * ``ops``: the exchanges, one file each (its steps and its declaration).
 
-A new exchange is one file in ``ops``.
+A new exchange is one file in ``ops``. Its public declarations, all that ``distgrad.losses``
+and ``distgrad.parallel`` may import of it (``tests/unit/test_layers.py``): ``ops`` (the
+exchanges, and ``InFlight``, what a started one returns) and ``group`` (``Group``,
+``ProcessGroup``, ``resolve``).
 """

@@ -31,8 +31,9 @@ import torch
 from torch import Tensor
 
 from distgrad._exchange.async_op import deferring, resolved, started
+from distgrad._exchange.backend import on_host
 from distgrad._exchange.group import Group
-from distgrad._exchange.inflight import ExchangeOp, Steps
+from distgrad._exchange.inflight import Done, ExchangeOp, InFlight, Pending, Steps
 
 __all__ = [
     "Exchange",
@@ -95,6 +96,18 @@ class Exchange:
             return started(pending, like, device, self._finisher(x))
         out = self.run(x, *passed)
         return out if out is not None else self._result(out, x)
+
+    def start(self, x: Tensor, *passed: Any) -> InFlight[Any]:
+        """Start the exchange and return what :meth:`~InFlight.wait` s for its result, to
+        overlap it with compute (a ring's step): eagerly its steps in flight, and while
+        ``torch.compile`` traces the traced form (its wait a node that the compiler moves)."""
+        group: Group = passed[-1]
+        if group.pg is not None and _is_compiling():
+            return Done(self._trace(x, passed))
+        run = self.run
+        if run.staged and not x.is_cpu and on_host(group, x.device):
+            return Pending(run._through_host(x, *passed), later=False)
+        return Pending(run.steps(x, *passed), later=False)
 
     def _trace(self, x: Tensor | None, passed: tuple[Any, ...]) -> Tensor:
         group: Group = passed[-1]

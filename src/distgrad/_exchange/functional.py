@@ -139,31 +139,33 @@ def permute(x: Tensor, perm: Sequence[int], recv_shape: Sequence[int], group: Gr
     if all(to == r for r, to in enumerate(perm)):
         return x.clone()
     source = list(perm).index(group.rank)
-    return shift([(x, perm[group.rank])], [(recv_shape, source)], group)[0]
+    return shift(x[None], [perm[group.rank]], [source], recv_shape, group)[0]
 
 
 def shift(
-    sends: Sequence[tuple[Tensor, int]],
-    recvs: Sequence[tuple[Sequence[int], int]],
+    x: Tensor,
+    to: Sequence[int],
+    sources: Sequence[int],
+    recv_shape: Sequence[int],
     group: Group,
-) -> list[Tensor]:
-    """Point-to-point messages in one ``all_to_all_single`` (each pair of ranks exchanges at
-    most one message each way): ``sends`` as (tensor, group rank), ``recvs`` as (shape, group
-    rank). Returns the received tensors, in ``recvs``'s order, with ``sends``'s dtype."""
-    dtype, device = sends[0][0].dtype, sends[0][0].device
-    out_of = {rank: math.prod(shape) for shape, rank in recvs}
-    sent_to = {rank: t for t, rank in sends}
-    flat = [sent_to[r].reshape(-1) for r in range(group.size) if r in sent_to]
-    input_sizes = [sent_to[r].numel() if r in sent_to else 0 for r in range(group.size)]
-    output_sizes = [out_of.get(r, 0) for r in range(group.size)]
-    data = torch.cat(flat) if len(flat) > 1 else flat[0].to(dtype)
-    got = all_to_all(data.to(device), input_sizes, output_sizes, group)
-    starts = {}
-    at = 0
-    for r in range(group.size):
-        starts[r] = at
-        at += output_sizes[r]
-    return [got[starts[r] : starts[r] + out_of[r]].view(tuple(shape)) for shape, r in recvs]
+) -> Tensor:
+    """``x[i]`` to group rank ``to[i]``; row j of the result, of ``recv_shape``, from group rank
+    ``sources[j]``: point-to-point messages in one ``all_to_all_single`` (so each pair of ranks
+    exchanges at most one message each way)."""
+    assert len(set(to)) == len(to) and len(set(sources)) == len(sources), (to, sources)
+    sent, received = math.prod(x.shape[1:]), math.prod(recv_shape)
+    input_sizes = [sent if r in to else 0 for r in range(group.size)]
+    output_sizes = [received if r in sources else 0 for r in range(group.size)]
+    order = sorted(range(len(to)), key=to.__getitem__)  # the messages in rank order
+    if order == list(range(len(to))):
+        data = x.reshape(-1)
+    else:
+        data = torch.cat([x[i].reshape(-1) for i in order])
+    got = all_to_all(data, input_sizes, output_sizes, group).view(len(sources), *recv_shape)
+    ranked = sorted(sources)  # got's rows, in rank order
+    if ranked == list(sources):
+        return got
+    return torch.stack([got[ranked.index(s)] for s in sources])
 
 
 def _none_of(x: Tensor, shape: Sequence[int]) -> Tensor:

@@ -30,9 +30,20 @@ from distgrad._exchange.group import (
     settle_backend_threads,
 )
 
-__all__ = ["ExchangeOp", "Pending", "Started", "Steps", "begin", "staged", "start_outside_engine"]
+__all__ = [
+    "Done",
+    "ExchangeOp",
+    "InFlight",
+    "Pending",
+    "Started",
+    "Steps",
+    "begin",
+    "staged",
+    "start_outside_engine",
+]
 
 _T = TypeVar("_T")
+_T_co = TypeVar("_T_co", covariant=True)
 _P = ParamSpec("_P")
 
 
@@ -165,22 +176,30 @@ class _Waitable(Protocol):
 Steps = Generator[_Waitable, None, _T]
 
 
+class InFlight(Protocol[_T_co]):
+    """An exchange started and not waited for: :meth:`wait` returns its result."""
+
+    def wait(self) -> _T_co: ...
+
+
 class Pending(Generic[_T]):
     """An op whose exchange is in flight: :meth:`wait` waits for it and returns the result.
 
     Its steps run on :meth:`wait`'s thread, once; an error is raised there, and again by every
-    later ``wait``.
+    later ``wait``. ``later``: the wait may come after other calls (``async_op=True``), so an
+    error of the wait names the call running when the exchange started, not when it waits.
     """
 
     __slots__ = ("_error", "_steps", "_value", "_waiting")
 
-    def __init__(self, steps: Steps[_T]) -> None:
+    def __init__(self, steps: Steps[_T], later: bool = True) -> None:
         self._steps = steps
         self._error: BaseException | None = None
         self._waiting: _Waitable | None = None
         try:
             self._waiting = next(steps)
-            self._waiting.describe_now()
+            if later:
+                self._waiting.describe_now()
         except StopIteration as finished:  # nothing to exchange (a group of one)
             self._value: _T = finished.value
 
@@ -198,6 +217,19 @@ class Pending(Generic[_T]):
         except BaseException as exc:
             self._error = exc
             raise
+        return self._value
+
+
+class Done(Generic[_T]):
+    """An exchange whose result is here already: a traced one, whose wait is a node of the
+    graph (the compiler moves it); :meth:`wait` returns the result."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self, value: _T) -> None:
+        self._value = value
+
+    def wait(self) -> _T:
         return self._value
 
 

@@ -14,13 +14,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from distgrad._exchange import functional
 from distgrad._exchange import wait as _wait
 from distgrad._exchange.backend import nbytes, on_host, real
 from distgrad._exchange.group import Group
 from distgrad._exchange.inflight import Steps, start_outside_engine
 
-__all__ = ["P2P_TAG", "Pairs", "Shift", "exchange_by_pairs", "start_pairs", "start_shift"]
+__all__ = ["P2P_TAG", "Pairs", "exchange_by_pairs", "start_pairs"]
 
 
 # The tag of every point-to-point message distgrad sends (start_pairs): gloo pairs messages
@@ -117,37 +116,3 @@ def exchange_by_pairs(
     exchange = start_pairs(sends, recvs, group)
     received[group.rank].copy_(sent[group.rank])  # while the peers' bytes are on their way
     yield exchange
-
-
-class Shift:
-    """A ring's step in flight, eager or traced: :meth:`wait` returns the tensors received."""
-
-    __slots__ = ("_pairs", "_received")
-
-    def __init__(self, received: list[Tensor], pairs: Pairs | None) -> None:
-        self._received = received
-        self._pairs = pairs
-
-    def wait(self) -> list[Tensor]:
-        if self._pairs is not None:
-            self._pairs.wait()
-        return self._received
-
-
-def start_shift(
-    sends: Sequence[tuple[Tensor, int]],
-    recvs: Sequence[tuple[Sequence[int], int]],
-    group: Group,
-) -> Shift:
-    """Start sending each ``(tensor, group rank)`` of ``sends`` and receiving a tensor of each
-    ``(shape, group rank)`` of ``recvs`` (``sends``'s dtype and device): a ring's step, every
-    rank of the group taking part. Eagerly, point-to-point pairs (a dead peer is named);
-    while ``torch.compile`` traces, one functional all_to_all that the compiler schedules
-    (``distgrad._exchange.functional.shift``)."""
-    if torch.compiler.is_compiling():
-        return Shift(functional.shift(sends, recvs, group), None)
-    like = sends[0][0]
-    received = [like.new_empty(tuple(shape)) for shape, _ in recvs]
-    sent = [(t.contiguous(), peer) for t, peer in sends]
-    pairs = start_pairs(sent, list(zip(received, [p for _, p in recvs], strict=True)), group)
-    return Shift(received, pairs)

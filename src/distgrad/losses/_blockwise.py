@@ -48,12 +48,16 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
 
+from distgrad._exchange import ops
 from distgrad._exchange.group import Group
-from distgrad._exchange.pairs import Shift, start_shift
 
 __all__ = ["KINDS", "ring_clip", "ring_reduce"]
 
 KINDS = ("lse", "softplus")
+
+# The travelling copies of ``ring_reduce``'s keys, stacked in this order ([1 or 2, M, ...]): the
+# one going to rank + 1, then (from 3 ranks) the one going to rank - 1.
+_SIDES = ("right", "left")
 
 
 @dataclass(frozen=True)
@@ -83,28 +87,17 @@ class _Plan:
         return (self.group.rank + (-step if side == "right" else step)) % self.group.size
 
 
-def _shift(x: Tensor, g: Group) -> Shift:
-    """Start sending ``x`` to the next rank of the ring, receiving the previous rank's."""
-    after, before = (g.rank + 1) % g.size, (g.rank - 1) % g.size
-    return start_shift([(x, after)], [(x.shape, before)], g)
-
-
-def _travel(copies: dict[str, Tensor], step: int, plan: _Plan) -> tuple[list[str], Shift]:
-    """Start the ``step``-th shift of the travelling copies, both directions at once: the
-    ``"right"`` copy to rank + 1 (a new one arrives from rank - 1), the ``"left"`` copy to
-    rank - 1 while it still has steps to go. Returns the sides moving and the exchange, whose
-    ``wait`` gives the arriving copies in that order."""
+def _travel(copies: Tensor, step: int, plan: _Plan) -> ops.InFlight[Tensor]:
+    """Start the ``step``-th shift of the travelling copies (``[1 or 2, M, ...]``, in
+    ``_SIDES`` order), both directions at once: the ``"right"`` copy to rank + 1 (a new one
+    arrives from rank - 1), the ``"left"`` copy to rank - 1 while it still has steps to go.
+    Its ``wait`` gives the arriving copies, in the same order (the right one alone once the
+    left one has stopped)."""
     g = plan.group
     after, before = (g.rank + 1) % g.size, (g.rank - 1) % g.size
-    sends, recvs, sides = [], [], []
-    for side, buf in copies.items():
-        if side == "left" and step > plan.left_steps:
-            continue
-        to, source = (after, before) if side == "right" else (before, after)
-        sends.append((buf, to))
-        recvs.append((buf.shape, source))
-        sides.append(side)
-    return sides, start_shift(sends, recvs, g)
+    moving = 2 if len(copies) == 2 and step <= plan.left_steps else 1
+    to, sources = [after, before][:moving], [before, after][:moving]
+    return ops.shift.start(copies[:moving], to, sources, copies.shape[1:], g)
 
 
 def _chunk_logits(a: Tensor, k: Tensor, scale: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
@@ -139,7 +132,7 @@ def _reduce_forward(a: Tensor, k: Tensor, scale: Tensor, bias: Tensor, plan: _Pl
     step's shift is started before the keys held are folded in."""
     width = max(plan.rows)
     own = F.pad(k, (0, 0, 0, width - k.shape[0]))  # [M, D]
-    copies = {"right": own, "left": own}
+    copies = own.expand(2 if plan.left_steps else 1, *own.shape)  # [1 or 2, M, D]
     held = [(own, plan.group.rank)]
     out = a.new_full((a.shape[0],), float("-inf") if plan.kind == "lse" else 0.0)
     for step in range(plan.right_steps + 1):
@@ -147,9 +140,10 @@ def _reduce_forward(a: Tensor, k: Tensor, scale: Tensor, bias: Tensor, plan: _Pl
         for keys, owner in held:
             part = _forward_block(a, keys[: plan.rows[owner]], scale, bias, plan, step == 0)
             out = torch.logaddexp(out, part) if plan.kind == "lse" else out + part
-        landed = dict(zip(moving[0], moving[1].wait(), strict=True)) if moving else {}
-        copies.update(landed)
-        held = [(buf, plan.owner(side, step + 1)) for side, buf in landed.items()]
+        if moving is not None:
+            copies = moving.wait()
+            landed = zip(_SIDES, copies, strict=False)
+            held = [(buf, plan.owner(side, step + 1)) for side, buf in landed]
     return out
 
 
@@ -197,33 +191,31 @@ def _reduce_backward(
     g, width, dim = plan.group, max(plan.rows), k.shape[1]
     sums = torch.zeros_like(a), torch.zeros_like(scale), torch.zeros_like(bias)
     padded = F.pad(k, (0, 0, 0, width - k.shape[0]))
-    # [M, 2D]: keys | accumulator. This rank's own part goes into the accumulator of the copy
-    # that travels right and comes home with the others' parts. So the first shift carries
-    # what the incoming gradient made: in a compiled step, a shift computed from the keys
-    # alone would be hoisted into the forward graph by the partitioner, its result kept alive
-    # until the backward (and run again there).
-    right = torch.cat([padded, torch.zeros_like(padded)], 1)
-    _backward_block(a, right, len(k), scale, bias, out, grad, plan, True, sums)
-    copies = {"right": right}
-    if plan.left_steps:  # the copy travelling left starts at zero
-        copies["left"] = torch.cat([padded, torch.zeros_like(padded)], 1)
+    # [1 or 2, M, 2D]: keys | accumulator, per travelling copy (the left one starts at zero).
+    # This rank's own part goes into the accumulator of the copy that travels right and comes
+    # home with the others' parts. So the first shift carries what the incoming gradient made:
+    # in a compiled step, a shift computed from the keys alone would be hoisted into the
+    # forward graph by the partitioner, its result kept alive until the backward (and run
+    # again there).
+    copies = torch.cat([padded, torch.zeros_like(padded)], 1).repeat(
+        2 if plan.left_steps else 1, 1, 1
+    )
+    _backward_block(a, copies[0], len(k), scale, bias, out, grad, plan, True, sums)
+    last = dict(zip(_SIDES, copies, strict=False))  # each copy where its last shift left it
     for step in range(1, plan.right_steps + 1):
-        sides, moving = _travel(copies, step, plan)
-        landed = dict(zip(sides, moving.wait(), strict=True))
-        copies.update(landed)
-        for side, held in landed.items():
+        copies = _travel(copies, step, plan).wait()
+        for side, held in zip(_SIDES, copies, strict=False):
+            last[side] = held
             owner = plan.owner(side, step)
             _backward_block(a, held, plan.rows[owner], scale, bias, out, grad, plan, False, sums)
-    dk = right[: len(k), dim:]
+    dk = copies[0][: len(k), dim:]
     if g.size > 1:  # each travelled accumulator goes home; this rank's one or two come back
-        sends, recvs = [], []
-        for side, steps in (("right", plan.right_steps), ("left", plan.left_steps)):
-            if steps:
-                sends.append((copies[side][:, dim:], plan.owner(side, steps)))
-                recvs.append(
-                    ((width, dim), plan.owner("left" if side == "right" else "right", steps))
-                )
-        homes = start_shift(sends, recvs, g).wait()
+        steps = {"right": plan.right_steps, "left": plan.left_steps}
+        sides = [side for side in _SIDES if steps[side]]
+        to = [plan.owner(side, steps[side]) for side in sides]
+        sources = [plan.owner("left" if s == "right" else "right", steps[s]) for s in sides]
+        accumulators = torch.stack([last[side][:, dim:] for side in sides])  # [1 or 2, M, D]
+        homes = ops.shift(accumulators, to, sources, (width, dim), g)
         dk = homes[0][: len(k)] if len(homes) == 1 else homes[0][: len(k)] + homes[1][: len(k)]
     return sums[0], dk.contiguous(), sums[1], sums[2]
 
@@ -271,11 +263,12 @@ def ring_reduce(
 
 
 def _send_on(x: Tensor, g: Group) -> Tensor:
-    """Shift ``x`` one rank along the ring and wait (the payload was just updated)."""
+    """Shift ``x`` one rank along the ring and wait (the payload was just updated): to the
+    next rank, from the previous one."""
     if g.size == 1:
         return x
-    (out,) = _shift(x, g).wait()
-    return out
+    after, before = (g.rank + 1) % g.size, (g.rank - 1) % g.size
+    return ops.shift(x[None], [after], [before], x.shape, g)[0]
 
 
 def _clip_forward(x: Tensor, y: Tensor, scale: Tensor, plan: _Plan) -> tuple[Tensor, Tensor]:

@@ -39,8 +39,8 @@ import torch
 from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
 
+from distgrad._exchange import ops
 from distgrad._exchange.group import Group, resolve
-from distgrad._exchange.pairs import start_shift
 from distgrad._mesh import GroupLike
 from distgrad.collectives.all_gather import all_gather
 from distgrad.parallel._checks import as_process_group, refuse, refuse_dtensors
@@ -89,8 +89,7 @@ def _shift(block: Tensor, plan: _Plan, step: int) -> Tensor:
     shape = (*block.shape[:-2], plan.sizes[plan.holder(step)], block.shape[-1])
     n = len(plan.sizes)
     after, before = (plan.rank + 1) % n, (plan.rank - 1) % n
-    (received,) = start_shift([(block, after)], [(shape, before)], plan.group).wait()
-    return received
+    return ops.shift(block[None], [after], [before], shape, plan.group)[0]
 
 
 def _scores(q: Tensor, k: Tensor, plan: _Plan, block: int) -> Tensor:

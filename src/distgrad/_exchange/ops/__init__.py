@@ -9,6 +9,7 @@ backward passes; which c10d call each makes on each backend is chosen in
 from __future__ import annotations
 
 from distgrad._exchange.declare import Exchange
+from distgrad._exchange.inflight import InFlight
 from distgrad._exchange.ops.all_gather import all_gather
 from distgrad._exchange.ops.all_reduce import all_reduce
 from distgrad._exchange.ops.all_to_all import all_to_all
@@ -18,9 +19,11 @@ from distgrad._exchange.ops.permute import permute
 from distgrad._exchange.ops.reduce import reduce
 from distgrad._exchange.ops.reduce_scatter import reduce_scatter
 from distgrad._exchange.ops.scatter import scatter
+from distgrad._exchange.ops.shift import shift
 
 __all__ = [
     "EXCHANGES",
+    "InFlight",
     "all_gather",
     "all_reduce",
     "all_to_all",
@@ -30,6 +33,7 @@ __all__ = [
     "reduce",
     "reduce_scatter",
     "scatter",
+    "shift",
 ]
 
 EXCHANGES: tuple[Exchange, ...] = (
@@ -42,4 +46,5 @@ EXCHANGES: tuple[Exchange, ...] = (
     gather,
     scatter,
     permute,
+    shift,
 )
