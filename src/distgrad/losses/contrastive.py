@@ -167,6 +167,15 @@ def _unit(x: Tensor, normalize: bool) -> Tensor:
     return F.normalize(x, dim=1) if normalize else x
 
 
+def _cross_entropy_sum(logits: Tensor, labels: Tensor) -> Tensor:
+    """``F.cross_entropy(logits, labels, reduction="sum")`` as its two steps, log_softmax and
+    picking each row's label. Why not the fused op: its ``nll_loss`` cannot take a row count
+    that is a per-rank value, so ``simulate=True`` (every rank in one process, each with its
+    own rows) could not run the losses. The same two kernels as the fused op, the same tensor
+    saved for backward (log_softmax's output)."""
+    return -F.log_softmax(logits, 1).gather(1, labels.unsqueeze(1)).sum()
+
+
 def _scalar(value: Scalar, like: Tensor) -> Tensor:
     """``value`` as a 0-dim tensor of ``like``'s dtype (keeping its autograd history).
 
@@ -263,8 +272,8 @@ def info_nce(
             keys = apply_all_gather(k, g, rows, 0)  # [B, D]
             offset, total = first_row(rows, g.rank), sum(rows)
             logits = q @ keys.T / t  # [B_l, B]; positives at column offset + i
-            labels = torch.arange(len(q), device=q.device) + offset
-            return global_mean(F.cross_entropy(logits, labels, reduction="sum"), total, g)
+            labels = torch.arange(q.shape[0], device=q.device) + offset
+            return global_mean(_cross_entropy_sum(logits, labels), total, g)
         if block is not None:
             row, col = _ring_retrieval(q, k, n, 1 / t, g, rows, m, bool(symmetric), block)
         else:
@@ -306,7 +315,7 @@ def _dense_retrieval(
         row, partial = _RowsAndColumns.apply(logits)  # type: ignore[no-untyped-call]
         every, _ = _column_logsumexp(partial, partial.new_zeros(()), g)  # [B]
         offset = first_row(rows, g.rank)
-        col = every[offset : offset + len(q)]
+        col = every.narrow(0, offset, q.shape[0])
     else:
         row = logits.logsumexp(1)
     if n is not None:
@@ -383,11 +392,11 @@ def clip_loss(
         offset, total = first_row(rows, g.rank), sum(rows)
         logits = (s * x) @ all_y.T  # [B_l, B]; pair i at column offset + i
         # pair i's logit, from the gathered texts: a view, so nothing more is saved for backward
-        positive = s * (x * all_y[offset : offset + len(x)]).sum(1)  # [B_l]
+        positive = s * (x * all_y.narrow(0, offset, x.shape[0])).sum(1)  # [B_l]
         per_image, partial = _RowsAndColumns.apply(logits)  # type: ignore[no-untyped-call]
         rest = per_image.sum() / 2 - positive.sum()  # this rank's terms but its texts'
         col, rests = _column_logsumexp(partial, rest, g)  # logsumexps
-        local = rest + col[offset : offset + len(x)].sum() / 2
+        local = rest + col.narrow(0, offset, x.shape[0]).sum() / 2
         return global_mean_of(local, rests + col.detach().sum() / 2, total, g)
 
 
@@ -413,11 +422,11 @@ class _RowsAndColumns(torch.autograd.Function):
         saved: tuple[Tensor, ...] = ctx.saved_tensors
         logits, row, col = saved
         if torch.is_grad_enabled():  # create_graph: differentiable ops only
-            by_row = (logits - row[:, None]).exp() * g_row[:, None]
-            return by_row + (logits - col[None, :]).exp() * g_col[None, :]
-        grad = torch.sub(logits, row[:, None]).exp_().mul_(g_row[:, None])
-        by_col = torch.sub(logits, col[None, :]).exp_()
-        return grad.addcmul_(by_col, g_col[None, :])
+            by_row = (logits - row.unsqueeze(1)).exp() * g_row.unsqueeze(1)
+            return by_row + (logits - col.unsqueeze(0)).exp() * g_col.unsqueeze(0)
+        grad = torch.sub(logits, row.unsqueeze(1)).exp_().mul_(g_row.unsqueeze(1))
+        by_col = torch.sub(logits, col.unsqueeze(0)).exp_()
+        return grad.addcmul_(by_col, g_col.unsqueeze(0))
 
 
 def _column_logsumexp(partial: Tensor, rest: Tensor, g: Group) -> tuple[Tensor, Tensor]:
@@ -468,11 +477,11 @@ def nt_xent(
         candidates = torch.cat([first, second])  # [2B, D]: every first view, then every second
         anchors = torch.cat([z1, z2])  # [2 B_l, D]
         logits = anchors @ candidates.T / t  # [2 B_l, 2B]
-        mine = torch.arange(len(z1), device=z1.device) + offset
+        mine = torch.arange(z1.shape[0], device=z1.device) + offset
         own = torch.cat([mine, mine + total])
         positive = torch.cat([mine + total, mine])
         logits = logits.masked_fill(F.one_hot(own, 2 * total).bool(), float("-inf"))
-        return global_mean(F.cross_entropy(logits, positive, reduction="sum"), 2 * total, g)
+        return global_mean(_cross_entropy_sum(logits, positive), 2 * total, g)
 
 
 @renamed(scale="logit_scale", bias="logit_bias")
