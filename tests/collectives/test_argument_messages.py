@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 import distgrad as dg
 from distgrad import collectives
-from distgrad.collectives._fields import Shape
+from distgrad.collectives._list_fields import Shape
 from distgrad.collectives._signature import Signature
 from distgrad.errors import CollectiveArgumentError, CollectiveMismatchError
 from distgrad.testing import run_on_ranks

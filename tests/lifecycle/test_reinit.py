@@ -25,7 +25,7 @@ import torch.distributed as dist
 import distgrad as dg
 from distgrad._exchange import alive as _alive
 from distgrad._exchange import group as _group
-from distgrad.collectives import _signature
+from distgrad.collectives import _checked_calls
 from distgrad.testing import run_on_ranks
 from tests._support import EXACT
 
@@ -49,16 +49,16 @@ def _three_rounds(rank: int, world: int, folder: str) -> list[int]:
         dist.init_process_group(
             "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=20)
         )
-        for _ in range(_signature.CHECKED_CALLS + 3):  # past the checked calls
+        for _ in range(_checked_calls.CHECKED_CALLS + 3):  # past the checked calls
             _all_gather_gradient_is_exact(rank, world, rows=2 + round_, group=None)
         if round_ != 1:  # rounds 0 and 2 also use a sub-group of ranks 0 and 1
             pair = dist.new_group([0, 1])
             if rank in (0, 1):
-                for _ in range(_signature.CHECKED_CALLS + 3):
+                for _ in range(_checked_calls.CHECKED_CALLS + 3):
                     _all_gather_gradient_is_exact(rank, world, rows=5 - round_, group=pair)
         seen.append(len(_group._resolved))
         dist.destroy_process_group()
-        assert not _group._resolved and not _signature._calls, "state outlived its groups"
+        assert not _group._resolved and not _checked_calls.call_counts, "state outlived its groups"
         assert not _alive._peers, "liveness connections outlived the default group"
     return seen
 
@@ -92,7 +92,7 @@ def _thread_and_memory_after_groups(rank: int, world: int, groups: int) -> dict[
         "threads_before": before[1],
         "threads_after": after[1],
         "resolved": len(_group._resolved),
-        "calls": len(_signature._calls),
+        "calls": len(_checked_calls.call_counts),
     }
 
 

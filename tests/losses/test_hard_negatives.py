@@ -338,11 +338,12 @@ def _bad_options(rank: int, world_size: int) -> list[str]:
 def test_bad_negatives_and_directions_raise_a_clear_error_on_every_rank() -> None:
     """Each mistake raises on both ranks, naming what was expected."""
     for seen in run_on_ranks(_bad_options, 2, timeout=30):
-        assert "every rank must pass the same options" in seen[0], seen[0]
+        assert "ranks disagree on negatives per query (rank 0: 1; rank 1: 2)" in seen[0], seen[0]
         assert "negatives must be [3, m, 4] (m per query), got (2, 1, 4)" in seen[1], seen[1]
         assert "directions must be ('query_to_key',) or" in seen[2], seen[2]
-        assert "partition must be 'joint' or 'per_direction', got 'mean'" in seen[3], seen[3]
-        assert "every rank must pass the same options" in seen[4], seen[4]
+        partition = "partition must be one of ['joint', 'per_direction'], got 'mean'"
+        assert partition in seen[3], seen[3]
+        assert "every rank must pass the same directions" in seen[4], seen[4]
 
 
 def test_info_nce_module_passes_negatives_and_directions_on() -> None:

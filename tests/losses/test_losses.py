@@ -106,5 +106,6 @@ def test_bad_input_raises_a_clear_error_on_every_rank() -> None:
         assert "rank 1: image and text must have the same shape" in seen[2]
         assert "ranks disagree on the shape outside dim 0" in seen[3]
         assert "view1 and view2 must have the same shape" in seen[4]
-        assert "rank 1: sizes[1] must be 3, the rows of this rank's batch, got 4" in seen[5]
+        sizes = "rank 1: sizes[1] must be 3, the entries of this rank's key along dim 0, got 4"
+        assert sizes in seen[5]  # the words of every op's sizes
         assert "rank 0: sizes must be 2 non-negative ints (one per rank), got [3]" in seen[6]

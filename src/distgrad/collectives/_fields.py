@@ -1,34 +1,55 @@
 """The typed arguments of a :class:`~distgrad.collectives._signature.Signature`.
 
-Each field is one argument, declared once per op, and gives everything about it:
+Each field is one argument, declared once per op (a collective, a loss or a parallel pattern),
+and gives everything about it:
 
 * its **local check**, ``local(value, args)``: the value as the op uses it (``dim`` made
   non-negative, a ``dist.ReduceOp`` as its name, ``sizes`` split) and this rank's problem with
   it, worded ``"<argument> must be <what is expected>, got <what was passed>"``;
-* its **cross-rank check**: ``code(value, passed)``, the integer every rank sends in the
-  handshake, ``show(code)`` how a peer's code reads in a message, and ``same`` (a list field):
-  whether every rank must pass the same list. The rule of a mismatch is ``"every rank must pass
-  the same <argument>"``;
+* whether every rank passes the **same** value, and then its **cross-rank check**:
+  ``code(value, args)``, the integer every rank sends in the handshake, and ``show(code)``,
+  how a peer's code reads in a message. The rule of a mismatch is ``"every rank must pass the
+  same <compared>"`` (``compared``: the argument's name, or what of it is compared);
 * its place in the **call's description** (``shown``): ``all_gather(dim=0)``,
   ``reduce(dst=0, op='sum')``, which starts every message about the call.
 
-So every message about an argument comes from here, named by its declared name.
+So every message about an argument comes from here, named by its declared name, whichever op
+it is passed to. The integer lists (``sizes``, ``perm``) are in ``_list_fields``; an argument
+may have several fields (a check each), the last of which makes its value.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
 from distgrad._exchange.group import Group
 from distgrad._exchange.handshake import dtype_problem
+from distgrad._mesh import dtensor_problem
 from distgrad.collectives import _common as c
 
-__all__ = ["Args", "Choice", "Dim", "ListField", "Perm", "Rank", "Reduction", "Shape", "Sizes"]
+__all__ = [
+    "Args",
+    "Block",
+    "Choice",
+    "Count",
+    "Dim",
+    "NotBoth",
+    "Pair",
+    "Positive",
+    "Rank",
+    "Reduction",
+    "Scalar",
+    "ScalarField",
+    "TensorArg",
+    "positive_problem",
+    "tensor_problem",
+]
 
 
 @dataclass(slots=True)
@@ -41,6 +62,10 @@ class Args:
     passed: Mapping[str, Any]
     tensor_optional: bool  # whether a rank may pass no tensor (scatter's receivers)
     values: dict[str, Any]
+    tensor: str = "x"  # x's name in messages (a loss's ``key``, ring attention's ``q``)
+    # Whether this call is checked across ranks: a check that reads a tensor's value (a host
+    # synchronisation) reads it only then.
+    checked: bool = False
 
     @property
     def dim(self) -> int:
@@ -48,9 +73,44 @@ class Args:
         return dim
 
 
-class _Scalar:
-    """What the scalar fields share: a peer's code reads as itself, and the call's description
-    shows the value as it was passed."""
+class ScalarField(Protocol):
+    """What a signature reads of a scalar field (see the module docstring)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def shown(self) -> bool: ...
+    @property
+    def same(self) -> bool: ...
+    @property
+    def compared(self) -> str: ...
+    def local(self, value: Any, args: Args) -> tuple[Any, str | None]: ...
+    def code(self, value: Any, args: Args) -> int: ...
+    def show(self, code: int) -> object: ...
+    def describe(self, value: Any) -> str: ...
+
+
+def tensor_problem(x: object, name: str = "x") -> str | None:
+    """Why ``x`` cannot be the tensor argument ``name`` (not a tensor; a DTensor, with what to
+    call instead), or None."""
+    if isinstance(x, Tensor):
+        return None if type(x) is Tensor else dtensor_problem(x, name)
+    if x is None or isinstance(x, (bool, int, float, complex)):
+        return f"{name} must be a torch.Tensor, got {x!r}"
+    return f"{name} must be a torch.Tensor, got {type(x).__module__}.{type(x).__qualname__}"
+
+
+class Scalar:
+    """What the scalar fields share (a base for a field an op declares itself): every rank
+    passes the same value, a peer's code reads as itself, and the call's description shows
+    the value as it was passed."""
+
+    name: str
+    same = True
+
+    @property
+    def compared(self) -> str:
+        return self.name
 
     def show(self, code: int) -> object:
         return code
@@ -60,7 +120,7 @@ class _Scalar:
 
 
 @dataclass(frozen=True)
-class Rank(_Scalar):
+class Rank(Scalar):
     """A group rank every rank passes alike (``src``, ``dst``)."""
 
     name: str
@@ -77,7 +137,7 @@ class Rank(_Scalar):
 
 
 @dataclass(frozen=True)
-class Dim(_Scalar):
+class Dim(Scalar):
     """The dim an op works along, made non-negative for ``x``.
 
     Across ranks: the non-negative dim, or the dim as passed where a rank may pass no tensor
@@ -106,7 +166,7 @@ class Dim(_Scalar):
 
 
 @dataclass(frozen=True)
-class Choice(_Scalar):
+class Choice(Scalar):
     """One of a few names (``objective``); across ranks, its index in ``options``."""
 
     name: str
@@ -147,129 +207,145 @@ class Reduction(Choice):
         return repr(c.op_name(value))  # dist.ReduceOp.SUM reads 'sum', as the checks name it
 
 
-ScalarField = Rank | Dim | Choice
+# ---------------------------------------------------------------------------------------------
+# Fields checked on this rank alone: not carried in the handshake, not in the description.
+
+
+class _Local(Scalar):
+    same = False
+    shown = False
+
+    def code(self, value: Any, args: Args) -> int:
+        return 0
+
+
+def positive_problem(name: str, value: float) -> str | None:
+    """Why ``value`` cannot be ``name``, a finite positive number, or None."""
+    if not math.isfinite(value) or value <= 0:
+        return f"{name} must be finite and positive, got {value}"
+    return None
 
 
 @dataclass(frozen=True)
-class Sizes:
-    """One length per rank along ``dim``, carried whole in the handshake.
-
-    ``rule`` says what this rank's list means and what its absence means:
-
-    * ``"own"``: every rank's extent; entry ``rank`` is this rank's. Absent: learned from the
-      peers (the call exchanges its metadata);
-    * ``"split"``: the parts this rank's ``x`` is split into. Absent: an even split;
-    * ``"parts"``: scatter's: on the rank named by the field ``root``, the parts its ``x`` is
-      split into (absent: even); elsewhere the same list, with ``x`` shaped like this rank's
-      part. Absent there: learned from the root;
-    * ``"any"``: one length per rank. Absent: learned, unless ``even_with`` (a ``"split"``
-      field) is absent too, when it is that field's even split.
-    """
-
-    name: str = "sizes"
-    rule: Literal["own", "split", "parts", "any"] = "own"
-    same: bool = True
-    root: str = ""
-    even_with: str = ""
-
-    def local(self, value: Any, args: Args) -> tuple[tuple[int, ...] | None, str | None]:
-        n, rank, dim = args.group.size, args.group.rank, args.dim
-        if self.rule == "split" or (self.rule == "parts" and args.values[self.root] == rank):
-            if self.rule == "parts" and args.x is None:
-                where = f"the source rank ({self.root}={rank})"
-                return None, f"x must be the tensor to scatter on {where}, got None"
-            return split_sizes(self.name, value, c.extent(args.x, dim), dim, n)
-        if value is None:
-            unknown = self.rule != "any" or args.passed[self.even_with] is not None
-            return (None if unknown else args.values[self.even_with]), None
-        value = tuple(value)
-        if len(value) != n or any(not isinstance(s, int) or s < 0 for s in value):
-            return (
-                None,
-                f"{self.name} must be {n} non-negative ints (one per rank), got {list(value)}",
-            )
-        if self.rule == "parts" and not isinstance(args.x, Tensor):
-            got = "None" if args.x is None else type(args.x).__qualname__
-            return None, (
-                f"x must be a tensor shaped like this rank's part (its dtype and trailing dims, "
-                f"as torch.distributed.scatter's output tensor) when {self.name} is given, got "
-                f"{got}; or pass neither"
-            )
-        mine = c.extent(args.x, dim)
-        if self.rule in ("own", "parts") and value[rank] != mine:
-            entry = f"{self.name}[{rank}] must be {mine}"
-            return None, f"{entry}, the entries of this rank's x along dim {dim}, got {value[rank]}"
-        return value, None
-
-    def known(self, passed: Mapping[str, Any]) -> bool:
-        """Whether this rank knows every rank's lengths without an exchange."""
-        if self.rule == "split":
-            return True
-        if self.rule == "any" and passed[self.even_with] is None:
-            return True
-        return passed[self.name] is not None
-
-
-@dataclass(frozen=True)
-class Perm:
-    """A permutation of the group ranks (rank r sends to ``perm[r]``), the same on every rank."""
-
-    name: str = "perm"
-    same: bool = True
-
-    def local(self, value: Any, args: Args) -> tuple[tuple[int, ...] | None, str | None]:
-        perm = tuple(value)
-        if sorted(perm) != list(range(args.group.size)) or not all(
-            isinstance(p, int) for p in perm
-        ):
-            return perm, (
-                f"{self.name} must be a permutation of the group ranks 0..{args.group.size - 1}, "
-                f"got {list(perm)}"
-            )
-        return perm, None
-
-    def known(self, passed: Mapping[str, Any]) -> bool:
-        return True
-
-
-@dataclass(frozen=True)
-class Shape:
-    """A shape this rank receives (``recv_shape``). Absent: learned from the peers."""
+class Positive(_Local):
+    """A finite positive number, or a tensor holding one (a learnable temperature), whose value
+    is read (a host synchronisation) only on the calls checked across ranks."""
 
     name: str
-    same: bool = False
 
-    def local(self, value: Any, args: Args) -> tuple[tuple[int, ...] | None, str | None]:
-        return (None if value is None else tuple(value)), None
-
-    def known(self, passed: Mapping[str, Any]) -> bool:
-        return passed[self.name] is not None
-
-
-ListField = Sizes | Perm | Shape
+    def local(self, value: Any, args: Args) -> tuple[Any, str | None]:
+        if isinstance(value, Tensor):
+            return None, positive_problem(
+                self.name, float(value.detach())
+            ) if args.checked else None
+        return None, positive_problem(self.name, value)
 
 
-def split_sizes(
-    name: str, sizes: Sequence[int] | None, total: int, dim: int, parts: int
-) -> tuple[tuple[int, ...] | None, str | None]:
-    """The part lengths along ``dim``: ``sizes`` checked, or an even split when it is None."""
-    if sizes is None:
-        if total % parts:
-            return None, (
-                f"{name} must be given to split x unevenly (x has {total} entries along dim "
-                f"{dim}, which does not divide evenly over {parts} ranks), got None; pass "
-                f"{name}=[...]"
-            )
-        return (total // parts,) * parts, None
-    sizes = tuple(sizes)
-    if len(sizes) != parts or any(not isinstance(s, int) or s < 0 for s in sizes):
-        return None, f"{name} must be {parts} non-negative ints (one per rank), got {list(sizes)}"
-    if sum(sizes) != total:
-        return None, (
-            f"{name} must add up to {total}, the entries of x along dim {dim}, got "
-            f"{list(sizes)} (which add up to {sum(sizes)})"
-        )
-    return sizes, None
+@dataclass(frozen=True)
+class Block(_Local):
+    """``block_size``: None (dense), ``"auto"`` or a positive int (the ring's block)."""
+
+    name: str = "block_size"
+
+    def local(self, value: Any, args: Args) -> tuple[Any, str | None]:
+        if value is None or value == "auto":
+            return value, None
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+            return value, None
+        return value, f"{self.name} must be None (dense), 'auto' or a positive int, got {value!r}"
+
+
+@dataclass(frozen=True)
+class Count(_Local):
+    """An int of at least ``least`` (``capacity``, ``out_features``), or None if ``optional``."""
+
+    name: str
+    least: int = 0
+    optional: bool = False
+
+    def local(self, value: Any, args: Args) -> tuple[Any, str | None]:
+        if value is None and self.optional:
+            return None, None
+        if isinstance(value, int) and not isinstance(value, bool) and value >= self.least:
+            return value, None
+        none = "None or " if self.optional else ""
+        return value, f"{self.name} must be {none}at least {self.least}, got {value!r}"
+
+
+@dataclass(frozen=True)
+class NotBoth(_Local):
+    """An option that cannot go with another (given: anything but None and False); passes
+    the value on as the fields before made it."""
+
+    name: str
+    other: str
+    why: str = ""  # what the message adds: " (as in Megatron)"
+
+    def local(self, value: Any, args: Args) -> tuple[Any, str | None]:
+        other = args.passed[self.other]
+        made = args.values.get(self.name, value)
+        if value not in (None, False) and other not in (None, False):
+            return made, f"pass {self.other} or {self.name}, not both{self.why}"
+        return made, None
+
+
+@dataclass(frozen=True)
+class TensorArg(_Local):
+    """A tensor argument besides ``x`` (``weight``, ``logits``): a plain tensor (a DTensor is
+    refused with what to call instead), of ``dims`` dims, of one of ``dtypes``, shaped
+    ``like`` another tensor argument; None allowed where ``optional``. ``expected`` words
+    what it must be (``{like}`` stands for the other tensor's shape)."""
+
+    name: str
+    optional: bool = False
+    dims: int | None = None
+    least_dims: int = 0
+    dtypes: tuple[torch.dtype, ...] = ()
+    like: str = ""
+    expected: str = ""
+
+    def local(self, value: Any, args: Args) -> tuple[Any, str | None]:
+        if value is None and self.optional:
+            return None, None
+        problem = tensor_problem(value, self.name)
+        if problem is not None:
+            return None, problem
+        like = args.passed[self.like] if self.like else None
+        if (
+            (self.dims is not None and value.dim() != self.dims)
+            or value.dim() < self.least_dims
+            or (self.dtypes and value.dtype not in self.dtypes)
+            or (isinstance(like, Tensor) and value.shape != like.shape)
+        ):
+            expected = self.expected.format(like=_shape(like) if isinstance(like, Tensor) else "")
+            got = f"{value.dtype} of shape {_shape(value)}" if self.dtypes else _shape(value)
+            return None, f"{self.name} must be {expected}, got {got}"
+        return None, None
+
+
+@dataclass(frozen=True)
+class Pair(_Local):
+    """A tensor whose rows pair with ``x``'s (a loss's query and key): both plain
+    ``[batch, dim]`` tensors of the same shape."""
+
+    name: str
+
+    def local(self, value: Any, args: Args) -> tuple[Any, str | None]:
+        x, names = args.x, f"{self.name} and {args.tensor}"
+        problem = tensor_problem(value, self.name) or tensor_problem(x, args.tensor)
+        if problem is not None:
+            return None, problem
+        assert isinstance(value, Tensor) and isinstance(x, Tensor)
+        if value.dim() == 2 and value.shape == x.shape:
+            return None, None
+        shapes = f"{_shape(value)} and {_shape(x)}"
+        if value.dim() != 2 or x.dim() != 2:
+            return None, f"{names} must be [batch, dim] matrices, got shapes {shapes}"
+        return None, f"{names} must have the same shape (rows are pairs), got {shapes}"
+
+
+def _shape(x: Tensor) -> str:
+    return str(tuple(x.shape))
 
 
 # What a reduction computes locally with torch, by op: a dtype torch cannot reduce this way

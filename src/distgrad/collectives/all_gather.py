@@ -17,7 +17,8 @@ from distgrad._exchange.group import Group
 from distgrad._mesh import GroupLike
 from distgrad.collectives import _common as c
 from distgrad.collectives._differentiable import Adjoint, Collective, Plan, apply
-from distgrad.collectives._fields import Choice, Dim, Reduction, Sizes
+from distgrad.collectives._fields import Choice, Dim, Reduction
+from distgrad.collectives._list_fields import Sizes
 from distgrad.collectives._reduce_slices import reduce_stacked
 from distgrad.collectives._signature import Bound, Signature, sizes_along
 from distgrad.collectives.all_to_all import apply_all_to_all

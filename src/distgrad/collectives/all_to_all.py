@@ -14,7 +14,8 @@ from distgrad._exchange.handshake import RankCall
 from distgrad._mesh import GroupLike
 from distgrad.collectives import _common as c
 from distgrad.collectives._differentiable import Adjoint, Collective, Plan, apply
-from distgrad.collectives._fields import Dim, Sizes
+from distgrad.collectives._fields import Dim
+from distgrad.collectives._list_fields import Sizes
 from distgrad.collectives._signature import Bound, Signature
 from distgrad.errors import CollectiveMismatchError
 

@@ -19,7 +19,8 @@ from distgrad._exchange.handshake import RankCall
 from distgrad._mesh import GroupLike
 from distgrad.collectives import _common as c
 from distgrad.collectives._differentiable import Adjoint, Collective, Plan, apply
-from distgrad.collectives._fields import Dim, Rank, Sizes
+from distgrad.collectives._fields import Dim, Rank
+from distgrad.collectives._list_fields import Sizes
 from distgrad.collectives._signature import Bound, Signature, sizes_along
 from distgrad.errors import CollectiveMismatchError
 

@@ -13,9 +13,10 @@ from distgrad._exchange.group import Group
 from distgrad._exchange.handshake import show
 from distgrad._mesh import GroupLike
 from distgrad.collectives import _common as c
+from distgrad.collectives._compiled_checks import assume_alike
 from distgrad.collectives._differentiable import Adjoint, Collective, Plan, apply
-from distgrad.collectives._fields import Perm, Shape
-from distgrad.collectives._signature import Signature, assume_alike
+from distgrad.collectives._list_fields import Perm, Shape
+from distgrad.collectives._signature import Signature
 from distgrad.errors import CollectiveMismatchError
 
 __all__ = ["permute"]

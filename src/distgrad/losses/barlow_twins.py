@@ -10,11 +10,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from distgrad._exchange.group import resolve
 from distgrad._mesh import GroupLike
 from distgrad.collectives.all_reduce import apply_all_reduce
-from distgrad.losses._global import batch_sizes
-from distgrad.losses.contrastive import _pair_problem
+from distgrad.losses._global import BARLOW_TWINS, batch_sizes
 
 __all__ = ["barlow_twins"]
 
@@ -48,10 +46,9 @@ def barlow_twins(
     when ``sizes`` is not given; backward the same all_reduces of their gradients. Memory:
     [B_l, D] and [D, D].
     """
-    g = resolve(group, "barlow_twins")
-    problem = _pair_problem(view1, view2, "view1 and view2")
-    g, rows = batch_sizes("barlow_twins", view2, g, problem, sizes)
-    count = sum(rows)
+    call = BARLOW_TWINS.bind(group, view2, view1=view1, sizes=sizes)
+    g = call.group
+    count = sum(batch_sizes(call, view2))
 
     def standardise(z: Tensor) -> Tensor:
         z = z.to(torch.promote_types(z.dtype, torch.float32))

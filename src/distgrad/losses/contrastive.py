@@ -32,7 +32,6 @@ B_l x D x B where the dense path does 3 (CLIP too: both its directions share one
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Literal
@@ -42,13 +41,20 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import FunctionCtx
 
-from distgrad._exchange.group import Group, first_row, resolve
+from distgrad._exchange.group import Group, first_row
 from distgrad._mesh import GroupLike
-from distgrad.collectives._signature import checks_this_call
 from distgrad.collectives.all_gather import apply_all_gather
 from distgrad.losses._blockwise import ring_clip, ring_reduce
 from distgrad.losses._compat import renamed
-from distgrad.losses._global import batch_sizes, global_mean, global_mean_of
+from distgrad.losses._global import (
+    CLIP_LOSS,
+    INFO_NCE,
+    NT_XENT,
+    SIGLIP_LOSS,
+    batch_sizes,
+    global_mean,
+    global_mean_of,
+)
 
 __all__ = [
     "BlockSize",
@@ -64,38 +70,6 @@ __all__ = [
 Scalar = float | Tensor
 #: ``block_size``: None (dense), ``"auto"`` (dense unless its logits are large) or the ring's block
 BlockSize = int | Literal["auto"] | None
-
-
-def _pair_problem(a: Tensor, b: Tensor, names: str) -> str | None:
-    if not isinstance(a, Tensor) or not isinstance(b, Tensor):
-        return f"{names} must be tensors, got {type(a).__name__} and {type(b).__name__}"
-    if a.dim() != 2 or b.dim() != 2:
-        shapes = f"{tuple(a.shape)} and {tuple(b.shape)}"
-        return f"{names} must be [batch, dim] matrices, got shapes {shapes}"
-    if a.shape != b.shape:
-        shapes = f"{tuple(a.shape)} and {tuple(b.shape)}"
-        return f"{names} must have the same shape (rows are pairs), got {shapes}"
-    return None
-
-
-def _positive_problem(name: str, value: Scalar, checked: bool) -> str | None:
-    """Whether ``value`` is finite and positive. A tensor's value is read (a host
-    synchronisation) only on ``checked`` calls, those checked across ranks anyway."""
-    if isinstance(value, Tensor):
-        if not checked:
-            return None
-        value = float(value.detach())
-    if not math.isfinite(value) or value <= 0:
-        return f"{name} must be finite and positive, got {value}"
-    return None
-
-
-def _block_problem(block_size: BlockSize) -> str | None:
-    if block_size is None or block_size == "auto":
-        return None
-    if isinstance(block_size, int) and not isinstance(block_size, bool) and block_size >= 1:
-        return None
-    return f"block_size must be None (dense), 'auto' or a positive int, got {block_size!r}"
 
 
 # block_size="auto": the dense path unless its logits would pass this many bytes per rank.
@@ -121,29 +95,6 @@ def choose_block(
         return block_size
     logits = factor * max(rows) * factor * columns * sum(rows) * 4
     return AUTO_BLOCK.get(x.device.type, 4096) if logits > AUTO_DENSE_BYTES else None
-
-
-def _check(
-    name: str,
-    a: Tensor,
-    b: Tensor,
-    names: str,
-    positive: dict[str, Scalar],
-    group: GroupLike,
-    sizes: Sequence[int] | None,
-    block_size: BlockSize,
-    options: Sequence[int] = (),
-    problem: str | None = None,
-) -> tuple[Group, tuple[int, ...]]:
-    """Check a contrastive loss's arguments (across ranks where calls are checked) and return
-    the group and every rank's row count. ``options`` and ``problem``: the loss's own options
-    that every rank must pass alike, and this rank's complaint about them."""
-    g = resolve(group, name)
-    checked = checks_this_call(g, sizes is not None)
-    problem = _pair_problem(a, b, names) or problem or _block_problem(block_size)
-    for what, value in positive.items():
-        problem = problem or _positive_problem(what, value, checked)
-    return batch_sizes(name, b, g, problem, sizes, options)
 
 
 @contextmanager
@@ -188,35 +139,6 @@ def _scalar(value: Scalar, like: Tensor) -> Tensor:
 
 Directions = tuple[Literal["query_to_key", "key_to_query"], ...]
 Partition = Literal["joint", "per_direction"]
-_DIRECTIONS = {("query_to_key",): False, ("query_to_key", "key_to_query"): True}
-_PARTITIONS = ("joint", "per_direction")
-
-
-def _info_nce_options(
-    query: Tensor, negatives: Tensor | None, directions: Directions, partition: Partition
-) -> tuple[list[int], str | None]:
-    """[m, symmetric, joint] (what every rank must pass alike) and this rank's complaint."""
-    symmetric = _DIRECTIONS.get(tuple(sorted(directions, reverse=True)))  # type: ignore[arg-type]
-    m = negatives.shape[1] if isinstance(negatives, Tensor) and negatives.dim() == 3 else 0
-    options = [m, int(bool(symmetric)), int(partition == "joint")]
-    if symmetric is None or len(set(directions)) != len(directions):
-        allowed = " or ".join(repr(d) for d in _DIRECTIONS)
-        return options, f"directions must be {allowed}, got {directions!r}"
-    if partition not in _PARTITIONS:
-        return options, f"partition must be 'joint' or 'per_direction', got {partition!r}"
-    if negatives is None:
-        return options, None
-    if not isinstance(negatives, Tensor) or negatives.dim() != 3:
-        got = tuple(negatives.shape) if isinstance(negatives, Tensor) else type(negatives).__name__
-        return options, f"negatives must be a [batch, m, dim] tensor, got {got}"
-    if (
-        isinstance(query, Tensor)
-        and query.dim() == 2
-        and (negatives.shape[0] != query.shape[0] or negatives.shape[2] != query.shape[1])
-    ):
-        want = f"[{query.shape[0]}, m, {query.shape[1]}]"
-        return options, f"negatives must be {want} (m per query), got {tuple(negatives.shape)}"
-    return options, None
 
 
 def info_nce(
@@ -254,12 +176,20 @@ def info_nce(
     backward a reduce-scatter for each gather. Memory: [B_l, B (1 + m)] logits. The row-count
     exchange and the precision are common to every loss (module docstring).
     """
-    temp = {"temperature": temperature}
-    options, problem = _info_nce_options(query, negatives, directions, partition)
-    g, rows = _check(
-        "info_nce", query, key, "query and key", temp, group, sizes, block_size, options, problem
+    call = INFO_NCE.bind(
+        group,
+        key,
+        query=query,
+        directions=directions,
+        partition=partition,
+        negatives=negatives,
+        block_size=block_size,
+        temperature=temperature,
+        sizes=sizes,
     )
-    m, symmetric, joint = options
+    g, m, symmetric = call.group, call["negatives"], call["directions"]
+    joint = call["partition"] == "joint"
+    rows = batch_sizes(call, key, (m, int(symmetric), int(joint)))
     with _float32(key):
         q, k = _unit(query, normalize), _unit(key, normalize)
         # [B_l m, D]: row i's negatives at rows i m .. i m + m - 1
@@ -380,8 +310,10 @@ def clip_loss(
     backward 1 reduce-scatter of [B, D] and 1 of [W, B + 1]. Memory: one [B_l, B] logits
     block (saved for backward). Compute: 3 matmuls of B_l x D x B (one forward, two backward).
     """
-    scale = {"logit_scale": logit_scale}
-    g, rows = _check("clip_loss", image, text, "image and text", scale, group, sizes, block_size)
+    call = CLIP_LOSS.bind(
+        group, text, image=image, block_size=block_size, logit_scale=logit_scale, sizes=sizes
+    )
+    g, rows = call.group, batch_sizes(call, text)
     with _float32(text):
         x, y = _unit(image, normalize), _unit(text, normalize)
         s = _scalar(logit_scale, x)
@@ -464,8 +396,10 @@ def nt_xent(
     Communication: forward 2 all_gathers of [B_l, D] and a scalar all_reduce; backward 2
     reduce-scatters of [B, D]. Memory: [2 B_l, 2 B].
     """
-    temp = {"temperature": temperature}
-    g, rows = _check("nt_xent", view1, view2, "view1 and view2", temp, group, sizes, block_size)
+    call = NT_XENT.bind(
+        group, view2, view1=view1, block_size=block_size, temperature=temperature, sizes=sizes
+    )
+    g, rows = call.group, batch_sizes(call, view2)
     with _float32(view2):
         z1, z2 = _unit(view1, normalize), _unit(view2, normalize)
         t = _scalar(temperature, z1)
@@ -509,8 +443,10 @@ def siglip_loss(
     backward 1 reduce-scatter. Memory: one [B_l, B] logits block. Compute: 3 matmuls of
     B_l x D x B.
     """
-    scale = {"logit_scale": logit_scale}
-    g, rows = _check("siglip_loss", image, text, "image and text", scale, group, sizes, block_size)
+    call = SIGLIP_LOSS.bind(
+        group, text, image=image, block_size=block_size, logit_scale=logit_scale, sizes=sizes
+    )
+    g, rows = call.group, batch_sizes(call, text)
     with _float32(text):
         x, y = _unit(image, normalize), _unit(text, normalize)
         s, b = _scalar(logit_scale, x), _scalar(logit_bias, x)

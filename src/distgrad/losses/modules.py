@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from distgrad._mesh import GroupLike
+from distgrad.collectives._fields import positive_problem
 from distgrad.collectives.all_reduce import all_reduce
 from distgrad.losses._compat import renamed
 from distgrad.losses.barlow_twins import barlow_twins
@@ -56,8 +57,9 @@ def _parameter(value: float) -> nn.Parameter:
 
 
 def _log_parameter(value: float, name: str) -> nn.Parameter:
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be finite and positive, got {value}")
+    problem = positive_problem(name, value)  # the words of the losses' own check
+    if problem is not None:
+        raise ValueError(problem)
     return _parameter(math.log(value))
 
 
