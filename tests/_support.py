@@ -22,6 +22,8 @@ from typing import Final, TypedDict
 import torch
 from torch import Tensor
 
+from distgrad._exchange.group import first_row, own_rows
+
 __all__ = [
     "COMPILED",
     "EXACT",
@@ -114,3 +116,12 @@ def cotangents(seed: int, outs: Sequence[Tensor]) -> list[Tensor]:
     """A random cotangent for each of ``outs``, drawn in order from one generator ``seed``."""
     g = seeded(seed)
     return [torch.randn(o.shape, dtype=o.dtype, generator=g) for o in outs]
+
+
+def rows_of(t: Tensor, sizes: Sequence[int], rank: int) -> Tensor:
+    """Rank ``rank``'s rows of a global batch ``t`` when rank r holds ``sizes[r]`` rows.
+
+    Written with the rank as data (``first_row``, ``own_rows``: arithmetic, no index), so a
+    rank body runs unchanged on processes and simulated (``run_on_ranks(simulate=True)``,
+    where ``rank`` is one per-rank value and each rank gets its own rows)."""
+    return t.narrow(0, first_row(sizes, rank), own_rows(sizes, rank))

@@ -68,6 +68,11 @@ class _Run:
 
 
 _run: _Run | None = None
+# Above zero while torch itself works on LocalTensors (LocalTensorMode running an op, a
+# LocalTensor being made): a per-rank int compared there is torch's bookkeeping (the strides
+# of a tensor whose ranks' shapes differ), answered by torch's rule, not a Python branch of
+# the code under check.
+_inside_torch = 0
 
 
 def run_simulated(body: Callable[[], list[_R]], world_size: int, who: str) -> list[_R]:
@@ -220,6 +225,7 @@ def _world(world_size: int) -> Iterator[Any]:
         _group._forget([], True)
         undo.append(_per_rank_get_rank(world_size))
         undo.append(_answered_local_ints(lt.LocalIntNode))
+        undo.append(_construction_is_bookkeeping(lt.LocalTensor))
         with _mode_class()(world_size) as mode:
             yield mode
     finally:
@@ -256,6 +262,8 @@ def _mode_class() -> type:
                 if func.namespace == "c10d":
                     return _collective(super().__torch_dispatch__, func, types, args, kwargs)
                 flat = _pytree.tree_leaves((args, kwargs))
+                if any(isinstance(a, torch.Generator) for a in flat):
+                    return _drawn_alike(func, args, kwargs, flat)
                 if not any(isinstance(a, lt.LocalTensor) for a in flat) and any(
                     isinstance(a, torch.SymInt) and isinstance(a.node, lt.LocalIntNode)
                     for a in flat
@@ -273,10 +281,30 @@ def _mode_class() -> type:
                         f"{func} writes each rank's value into one tensor shared by every "
                         "rank (made outside the simulation, or from Python data)"
                     )
-            return super().__torch_dispatch__(func, types, args, kwargs)
+            with _torch_bookkeeping():
+                return super().__torch_dispatch__(func, types, args, kwargs)
 
     _MODE = SimulatedRanks
     return _MODE
+
+
+def _drawn_alike(func: Any, args: Any, kwargs: Any, flat: list[Any]) -> Any:
+    """A random op given its own ``torch.Generator``. On processes each rank holds its own
+    generator in this state (seeded alike), so every rank draws the same numbers: drawn once,
+    a plain tensor (the same on every rank). LocalTensorMode would draw once per rank from the
+    one shared object, giving each rank the next numbers. With a per-rank input as well, one
+    draw cannot stand for every rank's: refused."""
+    lt = _lt()
+    if any(
+        isinstance(a, lt.LocalTensor)
+        or (isinstance(a, torch.SymInt) and isinstance(a.node, lt.LocalIntNode))
+        for a in flat
+    ):
+        raise _Refused(
+            f"{func} draws from a torch.Generator with a per-rank input (one shared generator "
+            "cannot stand for each rank's own)"
+        )
+    return func(*args, **kwargs)
 
 
 # The arguments each c10d op reads (the rest it writes); a root's only at the root.
@@ -416,6 +444,8 @@ def _per_rank_get_rank(world_size: int) -> Callable[[], None]:
         else:
             members = dist.get_process_group_ranks(group)
             ranks = [members.index(r) if r in members else -1 for r in range(world_size)]
+        if len(set(ranks)) == 1:  # one rank (torch would make a constant node with no int())
+            return ranks[0]
         return torch.SymInt(lt.LocalIntNode(dict(enumerate(ranks))))  # type: ignore[no-untyped-call]
 
     c10d.get_rank = get_rank
@@ -424,6 +454,34 @@ def _per_rank_get_rank(world_size: int) -> Callable[[], None]:
     def undo() -> None:
         c10d.get_rank = original
         dist.get_rank = original
+
+    return undo
+
+
+@contextlib.contextmanager
+def _torch_bookkeeping() -> Iterator[None]:
+    """While torch itself works on LocalTensors (see ``_inside_torch``)."""
+    global _inside_torch
+    _inside_torch += 1
+    try:
+        yield
+    finally:
+        _inside_torch -= 1
+
+
+def _construction_is_bookkeeping(cls: type) -> Callable[[], None]:
+    """A LocalTensor made anywhere (an op's result, ``contiguous()``, ``stacked``) compares
+    its ranks' sizes to lay out its strides: torch's bookkeeping, not a branch of the code."""
+    original = cls.__dict__["__new__"]
+
+    def new(*args: Any, **kwargs: Any) -> Any:
+        with _torch_bookkeeping():
+            return original.__func__(*args, **kwargs)
+
+    cls.__new__ = staticmethod(new)  # type: ignore[assignment]
+
+    def undo() -> None:
+        cls.__new__ = original  # type: ignore[assignment]
 
     return undo
 
@@ -443,8 +501,10 @@ def _answered_local_ints(node: type) -> Callable[[], None]:
         _run.answered = True
         return int(self._local_ints[_run.rank])
 
-    def compare(how: Callable[[int, int], bool]) -> Callable[..., Any]:
+    def compare(name: str, how: Callable[[int, int], bool]) -> Callable[..., Any]:
         def method(self: Any, other: Any) -> Any:
+            if _inside_torch:  # torch's own bookkeeping (a LocalTensor's strides): its rule
+                return saved[name](self, other)  # type: ignore[misc]
             answers = {r: how(v, lt._int_on_rank(other, r)) for r, v in self._local_ints.items()}
             if len(set(answers.values())) == 1:
                 return torch._C._get_constant_bool_symnode(answers[0])
@@ -456,7 +516,7 @@ def _answered_local_ints(node: type) -> Callable[[], None]:
         return method
 
     for name, how in _HOW.items():
-        setattr(node, name, compare(how))
+        setattr(node, name, compare(name, how))
     node.int_ = lambda self: answer(self)  # type: ignore[attr-defined]
     node.guard_int = lambda self, *args: answer(self)  # type: ignore[attr-defined]
 
