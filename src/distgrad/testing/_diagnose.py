@@ -24,7 +24,7 @@ comparison; :func:`diagnose` reads a set of rows and returns the first finding t
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -185,18 +185,31 @@ def diagnose(
     failing = [r for r in rows if not r.ok]
     if not failing:
         return "agree"
-    for found in (
-        _unreduced(rows, replica_dims, tol),
-        None if _some_places_agree(rows) else _scaled(failing, sizes, tol),
-        _no_gradient(failing),
-        _misrouted(rows, failing, tol),
-        _rank_dependent(rows),
-    ):
-        if found is not None:
-            return found
+    found = _patterns(rows, failing, tol, sizes, replica_dims, crossed)
+    return next(f for f in found if f is not None)
+
+
+def _patterns(
+    rows: Sequence[Row],
+    failing: Sequence[Row],
+    tol: Tolerance,
+    sizes: Mapping[str, int],
+    replica_dims: Sequence[tuple[str, int]],
+    crossed: Callable[[], bool] | None,
+) -> Iterator[Finding | None]:
+    """Each pattern of disagreement in turn (None where it does not fit), asked lazily."""
+    yield _unreduced(rows, replica_dims, tol)
+    agree, differ = _places(rows)
+    some_agree = bool(agree and differ)
+    if not some_agree:  # a factor is about every rank
+        yield _scaled(failing, sizes, tol)
+    yield _no_gradient(failing)
+    yield _misrouted(rows, failing, tol)
+    if some_agree:
+        yield RankDependent(agree, differ)
     if crossed is not None and not crossed():
-        return "local-only"
-    return "no factor"
+        yield "local-only"
+    yield "no factor"
 
 
 def near(a: float, b: float, rtol: float) -> bool:
@@ -241,10 +254,11 @@ def _unreduced(
     return None
 
 
-def _some_places_agree(rows: Sequence[Row]) -> bool:
+def _places(rows: Sequence[Row]) -> tuple[list[Place], list[Place]]:
+    """The places where every row agrees, and those where one differs."""
     places = {r.place for r in rows if r.place is not None}
     differ = {r.place for r in rows if r.place is not None and not r.ok}
-    return bool(differ) and differ != places
+    return sorted(places - differ), sorted(differ)
 
 
 def _scaled(failing: Sequence[Row], sizes: Mapping[str, int], tol: Tolerance) -> Scaled | None:
@@ -264,7 +278,7 @@ def _scaled(failing: Sequence[Row], sizes: Mapping[str, int], tol: Tolerance) ->
 
 def _no_gradient(failing: Sequence[Row]) -> NoGradient | None:
     for row in failing:
-        if row.place is not None and not bool(row.got.abs().max() > 0 if row.got.numel() else 0):
+        if row.place is not None and not bool((row.got != 0).any()):
             return NoGradient(row)
     return None
 
@@ -285,11 +299,3 @@ def _misrouted(rows: Sequence[Row], failing: Sequence[Row], tol: Tolerance) -> M
                 moves.append((row, other.place))
                 break
     return Misrouted(moves) if moves else None
-
-
-def _rank_dependent(rows: Sequence[Row]) -> RankDependent | None:
-    if not _some_places_agree(rows):
-        return None
-    places = {r.place for r in rows if r.place is not None}
-    differ = {r.place for r in rows if r.place is not None and not r.ok}
-    return RankDependent(sorted(places - differ), sorted(differ))
