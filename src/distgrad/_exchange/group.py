@@ -29,6 +29,7 @@ __all__ = [
     "ProcessGroup",
     "first_row",
     "forget_destroyed",
+    "is_rank",
     "on_forget",
     "own_rows",
     "resolve",
@@ -54,6 +55,12 @@ class Group:
     members: tuple[int, ...] = ()
     # Whether the backend is NCCL: read several times per exchange, so made once here.
     is_nccl: bool = field(init=False, repr=False, compare=False)
+    # Whether the rank is per-rank data, not a Python int: under ``simulate=True``
+    # (``distgrad.testing``) one process stands for every rank, and its rank is one SymInt
+    # holding each rank's value. Exchanges then take their functional form (the collectives
+    # LocalTensorMode runs with each rank's sizes), and code that needs a rank's rows writes
+    # them as arithmetic on the rank (first_row, own_rows, is_rank).
+    rank_is_data: bool = field(init=False, repr=False, compare=False)
     # The group's identity as per-group state is keyed (the ProcessGroup's id and its name: a
     # ProcessGroup takes no attributes and no weak references; the name guards against a reused
     # id), made once here rather than on every call that counts or notes one.
@@ -61,6 +68,7 @@ class Group:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "is_nccl", "nccl" in self.backend)
+        object.__setattr__(self, "rank_is_data", not isinstance(self.rank, int))
         object.__setattr__(self, "key", (id(self.pg), self.name))
 
     def global_rank(self, group_rank: int) -> int:
@@ -86,7 +94,16 @@ def own_rows(counts: Sequence[int], rank: int) -> int:
     """``counts[rank]``, written as :func:`first_row` writes it."""
     if isinstance(rank, int):
         return counts[rank]
-    return sum(c * (_at_least(rank, i) - _at_least(rank, i + 1)) for i, c in enumerate(counts))
+    if all(c == counts[0] for c in counts):  # even: a plain int, the same for every rank
+        return counts[0]
+    return sum(c * is_rank(rank, i) for i, c in enumerate(counts))
+
+
+def is_rank(rank: int, i: int) -> int:
+    """1 where ``rank == i``, else 0, written as :func:`first_row` writes it."""
+    if isinstance(rank, int):
+        return int(rank == i)
+    return _at_least(rank, i) - _at_least(rank, i + 1)  # type: ignore[no-any-return]
 
 
 def _at_least(rank: Any, i: int) -> Any:
