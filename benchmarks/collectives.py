@@ -205,14 +205,14 @@ def _floor_pair(op: str) -> tuple[Raw, Raw]:
     n = group.size
 
     def gather_all(x: torch.Tensor) -> torch.Tensor:
-        return ops.all_gather.run(x, [x.shape[0]] * n, group)
+        return ops.all_gather.eager(x, [x.shape[0]] * n, group=group)
 
     def scatter_sum(x: torch.Tensor) -> torch.Tensor:
-        return ops.reduce_scatter.run(x, [x.shape[0] // n] * n, group)
+        return ops.reduce_scatter.eager(x, [x.shape[0] // n] * n, group=group)
 
     def exchange(x: torch.Tensor) -> torch.Tensor:
         rows = [x.shape[0] // n] * n
-        return ops.all_to_all.run(x, rows, rows, group)
+        return ops.all_to_all.eager(x, rows, rows, group=group)
 
     ours = {
         "all_gather": (gather_all, scatter_sum),

@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from distgrad._exchange import ops
 from distgrad._exchange.group import Group, resolve
-from distgrad._exchange.inflight import ExchangeOp
+from distgrad._exchange.inflight import drive
 from distgrad._exchange.pairs import exchange_by_pairs
 from distgrad.testing import run_on_ranks
 
@@ -50,9 +50,6 @@ SIZES = {"4 KB": 8, "32 KB": 64, "256 KB": 512}
 
 Candidate = Callable[[], torch.Tensor]
 
-# distgrad's pairs exchange (what its large all_gather runs), callable on its own.
-_BY_PAIRS = ExchangeOp(exchange_by_pairs)
-
 
 def _reduce_scatter(x: torch.Tensor, group: Group) -> dict[str, Candidate]:
     n, rows = group.size, x.shape[0] // group.size
@@ -61,10 +58,11 @@ def _reduce_scatter(x: torch.Tensor, group: Group) -> dict[str, Candidate]:
     pg = group.pg
 
     def all_to_all_and_sum() -> torch.Tensor:
-        return ops.reduce_scatter.run(x, sizes, group)
+        return ops.reduce_scatter.eager(x, sizes, group=group)
 
     def all_reduce_and_slice() -> torch.Tensor:
-        return ops.all_reduce.run(x, "sum", group).narrow(0, group.rank * rows, rows).clone()
+        total = ops.all_reduce.eager(x, "sum", group=group)
+        return total.narrow(0, group.rank * rows, rows).clone()
 
     def gloo_reduce_scatter() -> torch.Tensor:
         out = x.new_empty((rows, *x.shape[1:]))
@@ -85,15 +83,15 @@ def _all_gather(x: torch.Tensor, group: Group) -> dict[str, Candidate]:
     sizes = [rows] * n
 
     def gloo_all_gather() -> torch.Tensor:
-        return ops.all_gather.run(x, sizes, group)
+        return ops.all_gather.eager(x, sizes, group=group)
 
     def pairs() -> torch.Tensor:
         out = x.new_empty((rows * n, *x.shape[1:]))
-        _BY_PAIRS([x] * n, list(out.split(rows)), group)
+        drive(exchange_by_pairs([x] * n, list(out.split(rows)), group))  # distgrad's pairs
         return out
 
     def all_to_all() -> torch.Tensor:
-        return ops.all_to_all.run(x.repeat(n, 1), sizes, sizes, group)
+        return ops.all_to_all.eager(x.repeat(n, 1), sizes, sizes, group=group)
 
     return {
         "gloo's all_gather (distgrad)": gloo_all_gather,
@@ -107,11 +105,11 @@ def _all_reduce(x: torch.Tensor, group: Group) -> dict[str, Candidate]:
     sizes = [rows] * n
 
     def gloo_all_reduce() -> torch.Tensor:
-        return ops.all_reduce.run(x, "sum", group)
+        return ops.all_reduce.eager(x, "sum", group=group)
 
     def two_steps() -> torch.Tensor:
-        mine = ops.reduce_scatter.run(x, sizes, group)
-        return ops.all_gather.run(mine, sizes, group)
+        mine = ops.reduce_scatter.eager(x, sizes, group=group)
+        return ops.all_gather.eager(mine, sizes, group=group)
 
     return {
         "gloo's all_reduce (distgrad)": gloo_all_reduce,

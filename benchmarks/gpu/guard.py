@@ -31,16 +31,16 @@ def _guard_rows(rank: int, n: int, device: str) -> list[tuple[str, str]]:
 
     def exchanges() -> None:
         for op in ("sum", "max", "min"):
-            ops.all_reduce.run(x, op, group)
+            ops.all_reduce.eager(x, op, group=group)
         each = [x.shape[0]] * n
-        ops.reduce.run(x, 0, group)
-        ops.broadcast.run(x, 0, group)
-        ops.all_gather.run(x, each, group)
-        ops.all_to_all.run(x.repeat(n, 1), each, each, group)
-        ops.gather.run(x, each, 0, group)
+        ops.reduce.eager(x, 0, group=group)
+        ops.broadcast.eager(x, 0, group=group)
+        ops.all_gather.eager(x, each, group=group)
+        ops.all_to_all.eager(x.repeat(n, 1), each, each, group=group)
+        ops.gather.eager(x, each, 0, group=group)
         whole = x.repeat(n, 1) if group.rank == 0 else None
-        ops.scatter.run(whole, each, 0, x.shape[1:], x.dtype, x.device, group)
-        ops.permute.run(x, [(r + 1) % n for r in range(n)], x.shape, group)
+        ops.scatter.eager(whole, each, 0, x.shape[1:], x.dtype, x.device, group=group)
+        ops.permute.eager(x, [(r + 1) % n for r in range(n)], x.shape, group=group)
 
     exchanges()  # warm: the tag tensors are made (and copied to the device) once
     try:
@@ -69,7 +69,7 @@ def _guard_rows(rank: int, n: int, device: str) -> list[tuple[str, str]]:
             return rows
         torch.cuda.set_sync_debug_mode("default")
         torch.cuda.synchronize()  # the verdict has landed; the next guarded call reads it
-        ops.all_reduce.run(x, "sum", group)
+        ops.all_reduce.eager(x, "sum", group=group)
         rows.append((name, "FAIL: the next guarded call did not raise"))
     except CollectiveMismatchError as exc:
         late = "earlier exchange" in str(exc)

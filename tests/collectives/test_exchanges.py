@@ -1,8 +1,7 @@
-"""Each exchange's declared output (``distgrad._exchange.declare.Exchange.meta``, which the async
-result and the compiled graph's fake kernel both use) is what its eager call returns, on every
-rank, for even and uneven sizes and for the ranks off a root: shape, dtype and device. A
-declaration that drifted from its steps would give a compiled graph or an in-flight result the
-wrong shape while eager stayed right.
+"""Each exchange's declared output (``distgrad._exchange.declare.Exchange.meta``, the shape of
+its ``async_op=True`` result) is what its eager call returns, on every rank, for even and uneven
+sizes and for the ranks off a root: shape, dtype and device. A declaration that drifted from its
+steps would give an in-flight result the wrong shape while eager stayed right.
 
 The traced form of each exchange (``Exchange.traced``: torch's functional collectives, what a
 compiled graph runs) gives the eager steps' values too: run eagerly here, since torch's
@@ -58,15 +57,15 @@ def _compare(rank: int, n: int) -> list[str]:
     assert set(cases) == {e.name for e in ops.EXCHANGES}  # every exchange has a case
     for exchange in ops.EXCHANGES:
         x, *args = cases[exchange.name]
-        out = exchange(x, *args, group)
-        shape, dtype, device = exchange.meta(x, *args, group.rank)
+        out = exchange(x, *args, group=group)
+        shape, dtype, device = exchange.meta(x, *args, group=group)
         if (tuple(out.shape), out.dtype, out.device) != (tuple(shape), dtype, device):
             found.append(
                 f"{exchange.name} on rank {rank}: eager {tuple(out.shape)} {out.dtype} "
                 f"{out.device}, declared {tuple(shape)} {dtype} {device}"
             )
-        traced = exchange._result(exchange.traced(x, *args, group), x)
-        started = exchange._result(exchange.start(x, *args, group).wait(), x)
+        traced = exchange._result(exchange.traced(x, *args, group=group), x)
+        started = exchange._result(exchange.start(x, *args, group=group).wait(), x)
         for form, value in (("traced form", traced), ("started exchange", started)):
             try:
                 torch.testing.assert_close(value, out, rtol=1e-15, atol=1e-15)
@@ -76,8 +75,8 @@ def _compare(rank: int, n: int) -> list[str]:
     z = torch.randn(sum(r + 1 for r in range(n)), 3, dtype=torch.complex128, generator=seeded(rank))
     sizes = [r + 1 for r in range(n)]
     for exchange, args in ((ops.all_reduce, ("sum",)), (ops.reduce_scatter, (sizes,))):
-        out = exchange(z, *args, group)
-        traced = exchange.traced(z, *args, group)
+        out = exchange(z, *args, group=group)
+        traced = exchange.traced(z, *args, group=group)
         if not torch.allclose(traced, out, rtol=1e-15, atol=1e-15):
             found.append(f"{exchange.name} on rank {rank}: complex traced form differs")
     return found

@@ -59,16 +59,16 @@ def wait(x: Tensor) -> Tensor:
     return out
 
 
-def all_gather(x: Tensor, sizes: Sequence[int], group: Group) -> Tensor:
+def all_gather(x: Tensor, sizes: Sequence[int], *, group: Group) -> Tensor:
     """Every rank's rows in rank order; uneven sizes padded to the largest on the wire."""
     out = wait(_C.all_gather_into_tensor(pad_rows(x, max(sizes)), group.size, group.name))
     return trim_cat(out, sizes)
 
 
-def reduce_scatter(x: Tensor, sizes: Sequence[int], group: Group) -> Tensor:
+def reduce_scatter(x: Tensor, sizes: Sequence[int], *, group: Group) -> Tensor:
     """The sum over ranks of ``x``'s rows, this rank's ``sizes[rank]`` of them."""
     if x.is_complex():  # as all_reduce's
-        parts = reduce_scatter(torch.view_as_real(x.contiguous()), sizes, group)
+        parts = reduce_scatter(torch.view_as_real(x.contiguous()), sizes, group=group)
         return torch.view_as_complex(parts.contiguous())
     width = max(sizes)
     if any(s != width for s in sizes):
@@ -77,35 +77,37 @@ def reduce_scatter(x: Tensor, sizes: Sequence[int], group: Group) -> Tensor:
     return out if sizes[group.rank] == width else out[: sizes[group.rank]]
 
 
-def all_reduce(x: Tensor, op: str, group: Group) -> Tensor:
+def all_reduce(x: Tensor, op: str, *, group: Group) -> Tensor:
     if x.is_complex():  # a sum of complex numbers is the sum of their parts (gloo takes reals)
-        return torch.view_as_complex(all_reduce(torch.view_as_real(x.contiguous()), op, group))
+        return torch.view_as_complex(
+            all_reduce(torch.view_as_real(x.contiguous()), op, group=group)
+        )
     return wait(_C.all_reduce(x.contiguous(), _OPS[op], group.name))
 
 
-def reduce(x: Tensor, dst: int, group: Group) -> Tensor | None:
+def reduce(x: Tensor, dst: int, *, group: Group) -> Tensor | None:
     """The sum on ``dst``; None elsewhere (the exchange's declared empty result there)."""
-    out = all_reduce(x, "sum", group)
+    out = all_reduce(x, "sum", group=group)
     return out if group.rank == dst else None
 
 
-def broadcast(x: Tensor, src: int, group: Group) -> Tensor:
+def broadcast(x: Tensor, src: int, *, group: Group) -> Tensor:
     """``src`` (a group rank, as the functional op takes it) to every rank."""
     return wait(_C.broadcast(x.contiguous(), src, group.name))
 
 
 def all_to_all(
-    x: Tensor, input_sizes: Sequence[int], output_sizes: Sequence[int], group: Group
+    x: Tensor, input_sizes: Sequence[int], output_sizes: Sequence[int], *, group: Group
 ) -> Tensor:
     sent = x.contiguous()
     return wait(_C.all_to_all_single(sent, list(output_sizes), list(input_sizes), group.name))
 
 
-def gather(x: Tensor, sizes: Sequence[int], dst: int, group: Group) -> Tensor | None:
+def gather(x: Tensor, sizes: Sequence[int], dst: int, *, group: Group) -> Tensor | None:
     """Every rank's rows on ``dst`` (an all_to_all that sends only there); None elsewhere."""
     sent = [x.shape[0] if r == dst else 0 for r in range(group.size)]
     got = list(sizes) if group.rank == dst else [0] * group.size
-    out = all_to_all(x, sent, got, group)
+    out = all_to_all(x, sent, got, group=group)
     return out if group.rank == dst else None
 
 
@@ -116,6 +118,7 @@ def scatter(
     trailing: Sequence[int],
     dtype: torch.dtype,
     device: torch.device,
+    *,
     group: Group,
 ) -> Tensor:
     """``sizes[i]`` rows of ``src``'s ``x`` to rank i (an all_to_all that only ``src`` feeds)."""
@@ -130,16 +133,16 @@ def scatter(
         x = torch.empty(nothing, dtype=dtype, device=device) if x is None else _none_of(x, nothing)
         sent = [0] * group.size
     got = [sizes[group.rank] if r == src else 0 for r in range(group.size)]
-    return all_to_all(x, sent, got, group)
+    return all_to_all(x, sent, got, group=group)
 
 
-def permute(x: Tensor, perm: Sequence[int], recv_shape: Sequence[int], group: Group) -> Tensor:
+def permute(x: Tensor, perm: Sequence[int], recv_shape: Sequence[int], *, group: Group) -> Tensor:
     """``x`` to group rank ``perm[rank]``; what the rank that maps here sent, of ``recv_shape``.
     Every rank joins the one collective, a rank that keeps its own tensor too."""
     if all(to == r for r, to in enumerate(perm)):
         return x.clone()
     source = list(perm).index(group.rank)
-    return shift(x[None], [perm[group.rank]], [source], recv_shape, group)[0]
+    return shift(x[None], [perm[group.rank]], [source], recv_shape, group=group)[0]
 
 
 def shift(
@@ -147,6 +150,7 @@ def shift(
     to: Sequence[int],
     sources: Sequence[int],
     recv_shape: Sequence[int],
+    *,
     group: Group,
 ) -> Tensor:
     """``x[i]`` to group rank ``to[i]``; row j of the result, of ``recv_shape``, from group rank
@@ -161,7 +165,7 @@ def shift(
         data = x.reshape(-1)
     else:
         data = torch.cat([x[i].reshape(-1) for i in order])
-    got = all_to_all(data, input_sizes, output_sizes, group).view(len(sources), *recv_shape)
+    got = all_to_all(data, input_sizes, output_sizes, group=group).view(len(sources), *recv_shape)
     ranked = sorted(sources)  # got's rows, in rank order
     if ranked == list(sources):
         return got

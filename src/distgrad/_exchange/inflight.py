@@ -3,8 +3,8 @@ written as, so that one definition runs blocking or with ``async_op=True``.
 
 Every exchange (``distgrad._exchange.ops``) is a generator of steps: it starts its c10d call,
 yields what waits for it, and finishes (the copies, the guard's check) when resumed. The
-blocking call drives it through at once; ``op.start(...)`` runs it up to the exchange and
-returns a :class:`Pending` that finishes it later (``async_op=True``). The exchange is started
+blocking call drives it through at once (:func:`drive`); a started one runs up to the exchange,
+and a :class:`Pending` finishes it later (``async_op=True``, a ring's step). The exchange is started
 on the calling thread, in call order, so collectives stay in the same order on every rank
 whatever the caller does in between. Every wait goes through ``distgrad._exchange.wait``.
 """
@@ -12,17 +12,14 @@ whatever the caller does in between. Every wait goes through ``distgrad._exchang
 from __future__ import annotations
 
 import atexit
-import functools
 import time
 from collections.abc import Callable, Generator
-from typing import Any, Generic, ParamSpec, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
 
 from distgrad._exchange import wait as _wait
-from distgrad._exchange.backend import on_host
 from distgrad._exchange.group import (
     Group,
     collectives_unsettled,
@@ -32,19 +29,18 @@ from distgrad._exchange.group import (
 
 __all__ = [
     "Done",
-    "ExchangeOp",
     "InFlight",
     "Pending",
     "Started",
     "Steps",
     "begin",
-    "staged",
+    "drive",
     "start_outside_engine",
+    "through_host",
 ]
 
 _T = TypeVar("_T")
 _T_co = TypeVar("_T_co", covariant=True)
-_P = ParamSpec("_P")
 
 
 # The autograd engine keeps a Python object (the caller's contextvars) in the thread-local state
@@ -149,17 +145,18 @@ def _finish_on_nccl(work: Any, group: Group, what: _wait.What, doing: str | None
         raise _wait.annotate(exc, group, _wait.others(group), start, what, doing) from None
 
 
-# Staging on gloo (``ExchangeOp(..., staged=True)``): a CUDA ``x`` is copied to the host, the
-# exchange runs there, and the result is copied back to ``x``'s device. Why: gloo takes CUDA
-# tensors only in some collectives, by copying them to the host itself, and its point-to-point
-# sends hand the device pointer to the socket (the process aborts with "writev: Bad address").
-# Staging every exchange makes every op work, at the cost of those same copies, and a host
-# synchronisation (gloo's CUDA paths synchronise too).
+# Staging on gloo (an exchange declared ``staged``, ``distgrad._exchange.declare``): a CUDA
+# ``x`` is copied to the host, the exchange runs there, and the result is copied back to
+# ``x``'s device. Why: gloo takes CUDA tensors only in some collectives, by copying them to the
+# host itself, and its point-to-point sends hand the device pointer to the socket (the process
+# aborts with "writev: Bad address"). Staging every exchange makes every op work, at the cost of
+# those same copies, and a host synchronisation (gloo's CUDA paths synchronise too).
 
 
-def _through_host(steps: Steps[Tensor | None], device: torch.device) -> Steps[Tensor | None]:
+def through_host(steps: Steps[_T], device: torch.device) -> Steps[_T]:
+    """``steps`` (started on a host copy of their input), their result moved to ``device``."""
     out = yield from steps
-    return None if out is None else out.to(device)
+    return out if out is None else out.to(device)  # type: ignore[attr-defined, no-any-return]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -233,45 +230,14 @@ class Done(Generic[_T]):
         return self._value
 
 
-class ExchangeOp(Generic[_P, _T]):
-    """An op written as steps: call it to run it through, or ``start`` it (see above).
-
-    ``staged``: the op is ``op(x, ..., group)``, and a CUDA ``x`` on gloo goes through host
-    memory (see "Staging on gloo" above); the check is made here, inline, as the hot path's
-    one test of ``x.is_cpu``.
-    """
-
-    def __init__(self, steps: Callable[_P, Steps[_T]], staged: bool = False) -> None:
-        self.steps = steps
-        self.staged = staged
-        functools.update_wrapper(self, steps)
-
-    def __call__(self, *args: _P.args, **kwargs: _P.kwargs) -> _T:
-        a: tuple[Any, ...] = args
-        if self.staged and not a[0].is_cpu and on_host(a[-1], a[0].device):
-            steps = self._through_host(*a)
-        else:
-            steps = self.steps(*args, **kwargs)
-        try:
-            waiting = next(steps)
-            while True:
-                waiting.wait()
-                waiting = steps.send(None)
-        except StopIteration as finished:
-            value: _T = finished.value
-            return value
-
-    def start(self, *args: _P.args, **kwargs: _P.kwargs) -> Pending[_T]:
-        a: tuple[Any, ...] = args
-        if self.staged and not a[0].is_cpu and on_host(a[-1], a[0].device):
-            return Pending(self._through_host(*a))
-        return Pending(self.steps(*args, **kwargs))
-
-    def _through_host(self, x: Tensor, *args: Any) -> Steps[_T]:
-        steps: Callable[..., Steps[Any]] = self.steps
-        return _through_host(steps(x.cpu(), *args), x.device)  # type: ignore[return-value]
-
-
-def staged(steps: Callable[_P, Steps[_T]]) -> ExchangeOp[_P, _T]:
-    """``ExchangeOp(steps, staged=True)``, as a decorator."""
-    return ExchangeOp(steps, staged=True)
+def drive(steps: Steps[_T]) -> _T:
+    """Run ``steps`` through at once: each exchange waited for as soon as it is started (the
+    blocking call; ``Exchange.__call__`` has this loop inline, its hot path)."""
+    try:
+        waiting = next(steps)
+        while True:
+            waiting.wait()
+            waiting = steps.send(None)
+    except StopIteration as finished:
+        value: _T = finished.value
+        return value

@@ -50,13 +50,13 @@ def check_replicated(op: str, group: Group, grad: Tensor) -> None:
     """With objective="replicated" every rank must back-propagate the same gradient."""
     if not _checking(group):
         return
-    reference = ops.broadcast.run(grad, 0, group)
+    reference = ops.broadcast.eager(grad, 0, group=group)
     # Bit-identical gradients are the same even where they hold NaN (NaN != NaN).
     same = torch.equal(grad, reference) or bool(
         ((grad == reference) | (grad.isnan() & reference.isnan())).all()
     )
     differs = torch.tensor([float(not same)], device=grad.device)
-    count = int(ops.all_reduce.run(differs, "sum", group).item())
+    count = int(ops.all_reduce.eager(differs, "sum", group=group).item())
     if count:
         raise CollectiveMismatchError(
             f"backward of {op}(objective='replicated') on rank {group.rank}: {count} of "

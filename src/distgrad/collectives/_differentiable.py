@@ -18,7 +18,7 @@ communication. Everything else is here: the ordering check of debug mode, the re
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 import torch
@@ -36,13 +36,16 @@ __all__ = ["Adjoint", "Collective", "Plan", "apply", "partner"]
 
 @dataclass(frozen=True)
 class Plan:
-    """What every op's plan holds: the group, and the objective the gradient refers to."""
+    """What every op's plan holds: the group, the objective the gradient refers to, and whether
+    the call was made with ``async_op=True`` (its exchanges then start and their results wait
+    on first use: ``run`` calls the exchange's ``in_flight`` form)."""
 
     group: Group
     objective: Objective = field(default="sum", kw_only=True)
+    async_op: bool = field(default=False, kw_only=True)
 
 
-Adjoint = tuple[type["Collective"], Any]
+Adjoint = tuple[type["Collective"], Plan]
 """The partner op and the plan it runs with: the transposed plan."""
 
 
@@ -78,11 +81,13 @@ class Collective(torch.autograd.Function):
 
 def _forward_of(op: type[Collective]) -> Any:
     def forward(ctx: FunctionCtx, x: Tensor | None, plan: Plan, anchor: Tensor | None) -> Tensor:
+        # async_op=True: read once, here, from the scope the public op opened
+        # (distgrad._exchange.async_op.offers_async_op); from here the plan carries it, to the
+        # exchange and to the backward (its exchange started the same way).
+        if not torch.compiler.is_compiling() and deferring() and not plan.async_op:
+            plan = replace(plan, async_op=True)
         ctx.plan = plan  # type: ignore[attr-defined]
         ctx.anchor_like = anchor.detach() if anchor is not None else None  # type: ignore[attr-defined]
-        # async_op=True: the backward's exchange is started the same way
-        # (distgrad._exchange.async_op).
-        ctx.deferred = not torch.compiler.is_compiling() and deferring()  # type: ignore[attr-defined]
         return op.run(x, plan)
 
     return forward
@@ -99,11 +104,15 @@ def _backward_of(op: type[Collective]) -> Any:
         else:
             # A collective every rank runs, whether or not this rank's input wants its result
             # (one whose result nobody reads is waited for here, so its errors are raised).
-            if ctx.deferred and ctx.needs_input_grad[0]:
+            adjoint, back_plan = op.adjoint(plan)
+            later = plan.async_op and ctx.needs_input_grad[0]
+            if back_plan.async_op != later:  # (a transposed plan is made without it)
+                back_plan = replace(back_plan, async_op=later)
+            if later:
                 with deferred():
-                    back = partner(*op.adjoint(plan), grad)
+                    back = partner(adjoint, back_plan, grad)
             else:
-                back = partner(*op.adjoint(plan), grad)
+                back = partner(adjoint, back_plan, grad)
         needs = ctx.needs_input_grad
         # An anchor's values reach no output: its gradient is zeros, and torch.autograd.grad
         # may ask for it like any input.

@@ -47,7 +47,8 @@ class _AllGather(Collective):
 
     @staticmethod
     def run(x: Tensor, plan: _Plan) -> Tensor:
-        gathered = ops.all_gather(c.to_exchange(x, plan.dim), plan.sizes, plan.group)
+        exchange = ops.all_gather.in_flight if plan.async_op else ops.all_gather
+        gathered = exchange(c.to_exchange(x, plan.dim), plan.sizes, group=plan.group)
         return c.from_exchange(gathered, x.dtype, plan.dim)
 
     @staticmethod
@@ -66,7 +67,8 @@ class _ReduceScatterSum(Collective):
 
     @staticmethod
     def run(x: Tensor, plan: _Plan) -> Tensor:
-        summed = ops.reduce_scatter(c.to_front(x, plan.dim), plan.sizes, plan.group)
+        exchange = ops.reduce_scatter.in_flight if plan.async_op else ops.reduce_scatter
+        summed = exchange(c.to_front(x, plan.dim), plan.sizes, group=plan.group)
         return c.output(c.from_front(summed, plan.dim))
 
     @staticmethod

@@ -30,7 +30,8 @@ class _AllReduceSum(Collective):
 
     @staticmethod
     def run(x: Tensor, plan: Plan) -> Tensor:
-        return c.output(ops.all_reduce(x, "sum", plan.group))
+        exchange = ops.all_reduce.in_flight if plan.async_op else ops.all_reduce
+        return c.output(exchange(x, "sum", group=plan.group))
 
     @staticmethod
     def adjoint(plan: Plan) -> Adjoint:

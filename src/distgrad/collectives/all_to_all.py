@@ -50,7 +50,8 @@ class _AllToAll(Collective):
     @staticmethod
     def run(x: Tensor, plan: _Plan) -> Tensor:
         moved = c.to_exchange(x, plan.dim)
-        out = ops.all_to_all(moved, plan.input_sizes, plan.output_sizes, plan.group)
+        exchange = ops.all_to_all.in_flight if plan.async_op else ops.all_to_all
+        out = exchange(moved, plan.input_sizes, plan.output_sizes, group=plan.group)
         return c.from_exchange(out, x.dtype, plan.dim)
 
     @staticmethod

@@ -37,7 +37,8 @@ class _Broadcast(Collective):
 
     @staticmethod
     def run(x: Tensor, plan: _Plan) -> Tensor:
-        out = ops.broadcast(c.as_bytes(x), plan.root, plan.group)
+        exchange = ops.broadcast.in_flight if plan.async_op else ops.broadcast
+        out = exchange(c.as_bytes(x), plan.root, group=plan.group)
         return c.from_exchange(out, x.dtype)
 
     @staticmethod
@@ -58,7 +59,8 @@ class _ReduceSum(Collective):
     @staticmethod
     def run(x: Tensor, plan: _Plan) -> Tensor:
         # Other ranks get a constant zero tensor: its gradient is zero and is never read.
-        return c.output(ops.reduce(x, plan.root, plan.group))
+        exchange = ops.reduce.in_flight if plan.async_op else ops.reduce
+        return c.output(exchange(x, plan.root, group=plan.group))
 
     @staticmethod
     def adjoint(plan: _Plan) -> Adjoint:

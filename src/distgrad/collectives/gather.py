@@ -57,7 +57,8 @@ class _Gather(Collective):
 
     @staticmethod
     def run(x: Tensor, plan: _Plan) -> Tensor:
-        out = ops.gather(c.to_exchange(x, plan.dim), plan.sizes, plan.root, plan.group)
+        exchange = ops.gather.in_flight if plan.async_op else ops.gather
+        out = exchange(c.to_exchange(x, plan.dim), plan.sizes, plan.root, group=plan.group)
         return c.from_exchange(out, x.dtype, plan.dim)  # not the destination: 0 rows along dim
 
     @staticmethod
@@ -75,7 +76,8 @@ class _Scatter(Collective):
         moved = c.to_exchange(x, plan.dim) if x is not None else None
         trailing = c.byte_shape(plan.trailing, plan.dtype)
         dtype = torch.uint8 if trailing != plan.trailing else plan.dtype
-        out = ops.scatter(moved, plan.sizes, plan.root, trailing, dtype, plan.device, plan.group)
+        exchange = ops.scatter.in_flight if plan.async_op else ops.scatter
+        out = exchange(moved, plan.sizes, plan.root, trailing, dtype, plan.device, group=plan.group)
         return c.from_exchange(out, plan.dtype, plan.dim)
 
     @staticmethod

@@ -45,7 +45,8 @@ class _Permute(Collective):
     @staticmethod
     def run(x: Tensor, plan: _Plan) -> Tensor:
         recv_shape = c.byte_shape(plan.recv_shape, x.dtype)
-        out = ops.permute(c.as_bytes(x), plan.perm, recv_shape, plan.group)
+        exchange = ops.permute.in_flight if plan.async_op else ops.permute
+        out = exchange(c.as_bytes(x), plan.perm, recv_shape, group=plan.group)
         return c.from_exchange(out, x.dtype)
 
     @staticmethod

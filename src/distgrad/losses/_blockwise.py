@@ -97,7 +97,7 @@ def _travel(copies: Tensor, step: int, plan: _Plan) -> ops.InFlight[Tensor]:
     after, before = (g.rank + 1) % g.size, (g.rank - 1) % g.size
     moving = 2 if len(copies) == 2 and step <= plan.left_steps else 1
     to, sources = [after, before][:moving], [before, after][:moving]
-    return ops.shift.start(copies[:moving], to, sources, copies.shape[1:], g)
+    return ops.shift.start(copies[:moving], to, sources, copies.shape[1:], group=g)
 
 
 def _chunk_logits(a: Tensor, k: Tensor, scale: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
@@ -215,7 +215,7 @@ def _reduce_backward(
         to = [plan.owner(side, steps[side]) for side in sides]
         sources = [plan.owner("left" if s == "right" else "right", steps[s]) for s in sides]
         accumulators = torch.stack([last[side][:, dim:] for side in sides])  # [1 or 2, M, D]
-        homes = ops.shift(accumulators, to, sources, (width, dim), g)
+        homes = ops.shift(accumulators, to, sources, (width, dim), group=g)
         dk = homes[0][: len(k)] if len(homes) == 1 else homes[0][: len(k)] + homes[1][: len(k)]
     return sums[0], dk.contiguous(), sums[1], sums[2]
 
@@ -268,7 +268,7 @@ def _send_on(x: Tensor, g: Group) -> Tensor:
     if g.size == 1:
         return x
     after, before = (g.rank + 1) % g.size, (g.rank - 1) % g.size
-    return ops.shift(x[None], [after], [before], x.shape, g)[0]
+    return ops.shift(x[None], [after], [before], x.shape, group=g)[0]
 
 
 def _clip_forward(x: Tensor, y: Tensor, scale: Tensor, plan: _Plan) -> tuple[Tensor, Tensor]:

@@ -89,7 +89,7 @@ def _shift(block: Tensor, plan: _Plan, step: int) -> Tensor:
     shape = (*block.shape[:-2], plan.sizes[plan.holder(step)], block.shape[-1])
     n = len(plan.sizes)
     after, before = (plan.rank + 1) % n, (plan.rank - 1) % n
-    return ops.shift(block[None], [after], [before], shape, plan.group)[0]
+    return ops.shift(block[None], [after], [before], shape, group=plan.group)[0]
 
 
 def _scores(q: Tensor, k: Tensor, plan: _Plan, block: int) -> Tensor:

@@ -8,6 +8,8 @@ backward passes; which c10d call each makes on each backend is chosen in
 
 from __future__ import annotations
 
+from typing import Any
+
 from distgrad._exchange.declare import Exchange
 from distgrad._exchange.inflight import InFlight
 from distgrad._exchange.ops.all_gather import all_gather
@@ -36,7 +38,8 @@ __all__ = [
     "shift",
 ]
 
-EXCHANGES: tuple[Exchange, ...] = (
+# Every exchange, for the tests that check each one (tests/collectives/test_exchanges.py).
+EXCHANGES: tuple[Exchange[..., Any], ...] = (
     all_gather,
     reduce_scatter,
     all_to_all,

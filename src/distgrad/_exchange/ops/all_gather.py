@@ -23,8 +23,8 @@ from distgrad._exchange.pairs import exchange_by_pairs
 __all__ = ["all_gather"]
 
 
-@exchange(lambda x, sizes, rank: rows(x, sum(sizes)), traced=functional.all_gather)
-def all_gather(x: Tensor, sizes: Sequence[int], group: Group) -> Steps[Tensor]:
+@exchange(lambda x, sizes, *, group: rows(x, sum(sizes)), traced=functional.all_gather)
+def all_gather(x: Tensor, sizes: Sequence[int], *, group: Group) -> Steps[Tensor]:
     """Concatenate every rank's ``x`` along dim 0; ``sizes[i]`` is rank i's row count."""
     if group.pg is None:
         return x.clone()

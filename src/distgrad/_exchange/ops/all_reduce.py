@@ -19,8 +19,8 @@ from distgrad._exchange.inflight import Steps, begin
 __all__ = ["all_reduce"]
 
 
-@exchange(lambda x, op, rank: like(x, x.shape), traced=functional.all_reduce)
-def all_reduce(x: Tensor, op: str, group: Group) -> Steps[Tensor]:
+@exchange(lambda x, op, *, group: like(x, x.shape), traced=functional.all_reduce)
+def all_reduce(x: Tensor, op: str, *, group: Group) -> Steps[Tensor]:
     """Reduce ``x`` over ranks with ``op`` in sum, prod, max, min; every rank gets the result."""
     if group.pg is None:
         return x.clone(memory_format=torch.contiguous_format)

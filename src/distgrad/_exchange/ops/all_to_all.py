@@ -24,11 +24,11 @@ __all__ = ["all_to_all"]
 
 
 @exchange(
-    lambda x, input_sizes, output_sizes, rank: rows(x, sum(output_sizes)),
+    lambda x, input_sizes, output_sizes, *, group: rows(x, sum(output_sizes)),
     traced=functional.all_to_all,
 )
 def all_to_all(
-    x: Tensor, input_sizes: Sequence[int], output_sizes: Sequence[int], group: Group
+    x: Tensor, input_sizes: Sequence[int], output_sizes: Sequence[int], *, group: Group
 ) -> Steps[Tensor]:
     """Send rows ``input_sizes[i]`` of ``x`` to rank i; receive ``output_sizes[i]`` from rank i."""
     if group.pg is None:

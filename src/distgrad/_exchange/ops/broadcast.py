@@ -22,8 +22,8 @@ from distgrad._exchange.inflight import Steps, begin
 __all__ = ["broadcast"]
 
 
-@exchange(lambda x, src, rank: like(x, x.shape), traced=functional.broadcast)
-def broadcast(x: Tensor, src: int, group: Group) -> Steps[Tensor]:
+@exchange(lambda x, src, *, group: like(x, x.shape), traced=functional.broadcast)
+def broadcast(x: Tensor, src: int, *, group: Group) -> Steps[Tensor]:
     """Every rank gets group rank ``src``'s ``x`` (other ranks' values are not read)."""
     if group.pg is None:
         return x.clone()

@@ -25,11 +25,11 @@ __all__ = ["gather"]
 
 
 @exchange(
-    lambda x, sizes, dst, rank: rows(x, sum(sizes) if rank == dst else 0),
+    lambda x, sizes, dst, *, group: rows(x, sum(sizes) if group.rank == dst else 0),
     empty=no_rows,
     traced=functional.gather,
 )
-def gather(x: Tensor, sizes: Sequence[int], dst: int, group: Group) -> Steps[Tensor | None]:
+def gather(x: Tensor, sizes: Sequence[int], dst: int, *, group: Group) -> Steps[Tensor | None]:
     """Rank ``dst`` gets every rank's ``x`` concatenated along dim 0; None elsewhere."""
     if group.pg is None:
         return x.clone()

@@ -17,9 +17,9 @@ from distgrad._exchange.pairs import start_pairs
 __all__ = ["permute"]
 
 
-@exchange(lambda x, perm, recv_shape, rank: like(x, recv_shape), traced=functional.permute)
+@exchange(lambda x, perm, recv_shape, *, group: like(x, recv_shape), traced=functional.permute)
 def permute(
-    x: Tensor, perm: Sequence[int], recv_shape: Sequence[int], group: Group
+    x: Tensor, perm: Sequence[int], recv_shape: Sequence[int], *, group: Group
 ) -> Steps[Tensor]:
     """Send ``x`` to group rank ``perm[rank]``; return what the rank that maps here sent."""
     if group.pg is None or perm[group.rank] == group.rank:

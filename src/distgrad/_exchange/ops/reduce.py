@@ -22,8 +22,8 @@ from distgrad._exchange.inflight import Steps, begin
 __all__ = ["reduce"]
 
 
-@exchange(lambda x, dst, rank: like(x, x.shape), empty=zeros, traced=functional.reduce)
-def reduce(x: Tensor, dst: int, group: Group) -> Steps[Tensor | None]:
+@exchange(lambda x, dst, *, group: like(x, x.shape), empty=zeros, traced=functional.reduce)
+def reduce(x: Tensor, dst: int, *, group: Group) -> Steps[Tensor | None]:
     """The sum of ``x`` over ranks on group rank ``dst``; None on the other ranks."""
     if group.pg is None:
         return x.clone(memory_format=torch.contiguous_format)

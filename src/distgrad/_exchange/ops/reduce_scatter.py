@@ -18,8 +18,8 @@ from distgrad._exchange.ops.all_to_all import all_to_all
 __all__ = ["reduce_scatter"]
 
 
-@exchange(lambda x, sizes, rank: rows(x, sizes[rank]), traced=functional.reduce_scatter)
-def reduce_scatter(x: Tensor, sizes: Sequence[int], group: Group) -> Steps[Tensor]:
+@exchange(lambda x, sizes, *, group: rows(x, sizes[group.rank]), traced=functional.reduce_scatter)
+def reduce_scatter(x: Tensor, sizes: Sequence[int], *, group: Group) -> Steps[Tensor]:
     """Sum ``x`` over ranks and return this rank's slice (``sizes[rank]`` rows) of the sum."""
     if group.pg is None:
         return x.clone()
@@ -37,6 +37,6 @@ def reduce_scatter(x: Tensor, sizes: Sequence[int], group: Group) -> Steps[Tenso
     # moves twice the bytes in a ring of 2(N-1) steps, the all_to_all in one; measured raw,
     # paired, it took 1.20x-1.46x of the all_to_all and sum's time on 2 ranks (4-256 KB
     # slices), 1.47x-1.97x on 4 and 2.80x-3.39x on 8 (benchmarks/results/exchanges.md).
-    slices: Tensor = yield from all_to_all.run.steps(x, sizes, [mine] * group.size, group)
+    slices: Tensor = yield from all_to_all.steps(x, sizes, [mine] * group.size, group=group)
     # Sum in rank order, the same order on every backend and run: results are reproducible.
     return slices.view(group.size, mine, *x.shape[1:]).sum(0)

@@ -27,9 +27,12 @@ __all__ = ["scatter"]
 
 
 @exchange(
-    lambda x, sizes, src, trailing, dtype, device, rank: ((sizes[rank], *trailing), dtype, device),
+    lambda x, sizes, src, trailing, dtype, device, *, group: (
+        (sizes[group.rank], *trailing),
+        dtype,
+        device,
+    ),
     staged=False,  # its x may be None: it stages itself
-    takes_none=True,
     traced=functional.scatter,
 )
 def scatter(
@@ -39,6 +42,7 @@ def scatter(
     trailing: Sequence[int],
     dtype: torch.dtype,
     device: torch.device,
+    *,
     group: Group,
 ) -> Steps[Tensor]:
     """Rank i gets ``sizes[i]`` rows of group rank ``src``'s ``x``, split in rank order."""
@@ -48,7 +52,7 @@ def scatter(
     if on_host(group, device):  # see "Staging on gloo"
         host = None if x is None else x.cpu()
         cpu = torch.device("cpu")
-        out: Tensor = yield from scatter.run.steps(host, sizes, src, trailing, dtype, cpu, group)
+        out: Tensor = yield from scatter.steps(host, sizes, src, trailing, dtype, cpu, group=group)
         return out.to(device)
     if not guard.enabled():
         return (yield from _scatter(x, sizes, src, trailing, dtype, device, group))

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from torch import Tensor
 
 from distgrad._exchange import functional
-from distgrad._exchange.declare import Meta, exchange, like
+from distgrad._exchange.declare import exchange, like
 from distgrad._exchange.group import Group
 from distgrad._exchange.inflight import Steps
 from distgrad._exchange.pairs import start_pairs
@@ -19,18 +19,16 @@ from distgrad._exchange.pairs import start_pairs
 __all__ = ["shift"]
 
 
-def _meta(
-    x: Tensor, to: Sequence[int], sources: Sequence[int], recv_shape: Sequence[int], rank: int
-) -> Meta:
-    return like(x, (len(sources), *recv_shape))
-
-
-@exchange(_meta, traced=functional.shift)
+@exchange(
+    lambda x, to, sources, recv_shape, *, group: like(x, (len(sources), *recv_shape)),
+    traced=functional.shift,
+)
 def shift(
     x: Tensor,
     to: Sequence[int],
     sources: Sequence[int],
     recv_shape: Sequence[int],
+    *,
     group: Group,
 ) -> Steps[Tensor]:
     """Send ``x[i]`` to group rank ``to[i]``; return ``[len(sources), *recv_shape]``, whose row
