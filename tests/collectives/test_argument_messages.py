@@ -19,6 +19,7 @@ A last test checks that the tables below name every argument every op declares.
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -538,3 +539,154 @@ def test_the_cases_name_every_argument_of_every_op() -> None:
             assert (op, field.name) in named, f"no case for {op}'s {field.name}"
             if not isinstance(field, Shape):  # any shape is a shape: no local check
                 assert (op, field.name) in checked_alone, f"no local case: {op}'s {field.name}"
+
+
+# ---------------------------------------------------------------------------------------------
+# One argument, one message: the same bad argument given to a collective, a loss and a parallel
+# pattern is refused in the same words, naming the group rank, with the same error type.
+
+# (op, call on (group rank, group)). Every rank of the group passes the bad argument, so every
+# rank raises: a collective and a loss in their checked call (every rank's problems listed), a
+# pattern that checks on its own rank alone (handshake=False) on each rank.
+Ops = list[tuple[str, Call]]
+
+
+def _ones(rows: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.ones(rows, 2, dtype=dtype)
+
+
+def _wrong_dtype_on_rank_1(rank: int) -> torch.Tensor:
+    return _ones(4, torch.float64 if rank == 1 else torch.float32)
+
+
+SAME_ARGUMENT: dict[str, tuple[type[Exception], str, Ops]] = {
+    "a sizes list of the wrong length": (
+        CollectiveArgumentError,
+        "sizes must be 2 non-negative ints (one per rank), got [4]",
+        [
+            ("all_gather", lambda r, g: dg.all_gather(_ones(4), g, sizes=[4])),
+            ("reduce_scatter", lambda r, g: dg.reduce_scatter(_ones(4), group=g, sizes=[4])),
+            ("nt_xent", lambda r, g: dg.losses.nt_xent(_ones(4), _ones(4), group=g, sizes=[4])),
+            ("info_nce", lambda r, g: dg.losses.info_nce(_ones(4), _ones(4), group=g, sizes=[4])),
+            (
+                "split_to_sequence",
+                lambda r, g: dg.parallel.split_to_sequence(_ones(4), g, sizes=[4]),
+            ),
+            (
+                "ring_attention",
+                lambda r, g: dg.parallel.ring_attention(*[_ones(4)] * 3, g, sizes=[4]),
+            ),
+        ],
+    ),
+    "a dim x does not have": (
+        CollectiveArgumentError,
+        "dim must be in [-2, 2) for a tensor with 2 dims, got 5",
+        [
+            ("all_gather", lambda r, g: dg.all_gather(_ones(4), g, dim=5)),
+            ("split_to_sequence", lambda r, g: dg.parallel.split_to_sequence(_ones(4), g, dim=5)),
+        ],
+    ),
+    "an x that is not a tensor": (
+        CollectiveArgumentError,
+        "x must be a torch.Tensor, got 5",
+        [
+            ("all_reduce", lambda r, g: dg.all_reduce(5, group=g)),  # type: ignore[arg-type]
+            ("split_to_sequence", lambda r, g: dg.parallel.split_to_sequence(5, g)),  # type: ignore[arg-type]
+            ("copy_to_region", lambda r, g: dg.parallel.copy_to_region(5, g)),  # type: ignore[arg-type]
+        ],
+    ),
+    "an unknown objective": (
+        CollectiveArgumentError,
+        "objective must be one of ['replicated', 'sum'], got 'once'",
+        [
+            ("all_gather", lambda r, g: dg.all_gather(_ones(4), g, objective="once")),  # type: ignore[arg-type]
+            (
+                "gather_from_sequence",
+                lambda r, g: dg.parallel.gather_from_sequence(_ones(4), g, objective="once"),  # type: ignore[arg-type]
+            ),
+            (
+                "column_parallel_linear",
+                lambda r, g: dg.parallel.column_parallel_linear(
+                    _ones(4),
+                    _ones(3),
+                    group=g,
+                    objective="once",  # type: ignore[arg-type]
+                ),
+            ),
+        ],
+    ),
+    "a negative block size": (
+        CollectiveArgumentError,
+        "block_size must be None (dense), 'auto' or a positive int, got -1",
+        [
+            (
+                "clip_loss",
+                lambda r, g: dg.losses.clip_loss(_ones(4), _ones(4), group=g, block_size=-1),
+            ),
+            (
+                "info_nce",
+                lambda r, g: dg.losses.info_nce(_ones(4), _ones(4), group=g, block_size=-1),
+            ),
+        ],
+    ),
+    "a dtype that differs across ranks": (
+        CollectiveMismatchError,
+        "ranks disagree on dtype (rank 0: torch.float32; rank 1: torch.float64); every rank "
+        "must pass the same dtype",
+        [
+            ("all_gather", lambda r, g: dg.all_gather(_wrong_dtype_on_rank_1(r), g)),
+            (
+                "nt_xent",
+                lambda r, g: dg.losses.nt_xent(_ones(4), _wrong_dtype_on_rank_1(r), group=g),
+            ),
+            (
+                "gather_from_sequence",  # its all_gather finds it
+                lambda r, g: dg.parallel.gather_from_sequence(_wrong_dtype_on_rank_1(r), g),
+            ),
+        ],
+    ),
+}
+
+
+def _what_this_rank_is_told(message: str, rank: int) -> str:
+    """A message's words about ``rank``'s call: its own entry where a checked call lists every
+    rank's problems (``invalid arguments; rank 0: ...; rank 1: ...``), else all it says."""
+    _, found, body = message.partition(f" on rank {rank}: ")
+    if not found:
+        return f"(the message names no 'on rank {rank}': {message})"
+    if body.startswith("invalid arguments; "):
+        entries = re.findall(r"rank (\d+): (.*?)(?=; rank \d+: |$)", body)
+        return dict(entries).get(str(rank), f"(no entry for rank {rank}: {body})")
+    return body
+
+
+def _same_argument_everywhere(rank: int, world_size: int) -> dict[str, list[tuple[str, str]]]:
+    seen: dict[str, list[tuple[str, str]]] = {}
+    for case, (_, _, ops) in SAME_ARGUMENT.items():
+        for _, call in ops:
+            # Global ranks 1 and 2 are group ranks 0 and 1: a message must name the group's.
+            group = dist.new_group([1, 2])  # a first call on it: checked across ranks
+            if rank != 0:
+                here = dist.get_rank(group)
+                seen.setdefault(case, []).append(outcome(call, here, group))
+    return seen
+
+
+def test_one_argument_gets_one_message_from_a_collective_a_loss_and_a_pattern() -> None:
+    """The same bad argument passed to collectives, losses and parallel patterns, on every
+    rank of a group whose ranks are not the global ranks: on every rank, the same error type
+    and the same words about that rank's call, naming its group rank."""
+    per_rank = run_on_ranks(_same_argument_everywhere, 3, timeout=120)
+    failures = []
+    for global_rank, seen in enumerate(per_rank[1:], start=1):
+        group_rank = global_rank - 1
+        for case, (kind, words, ops) in SAME_ARGUMENT.items():
+            for (op, _), (raised, message) in zip(ops, seen[case], strict=True):
+                told = _what_this_rank_is_told(message, group_rank)
+                if raised != kind.__name__ or told != words:
+                    failures.append(
+                        f"{case}, {op}, global rank {global_rank} (group rank {group_rank}): "
+                        f"{raised}: {message}\n  expected {kind.__name__}: ...on rank "
+                        f"{group_rank}: ... {words}"
+                    )
+    assert not failures, "\n".join(failures)

@@ -1,6 +1,7 @@
 """Arguments the patterns cannot use raise a CollectiveArgumentError (a DistgradError and a
-ValueError) naming the function, the rank, what it expected and what it got, before any
-communication; one process, no process group (milliseconds)."""
+ValueError) naming the function, the (group) rank, what it expected and what it got, before any
+communication, in the words of the argument's declared field (the same words a collective or a
+loss uses for the same argument); one process, no process group (milliseconds)."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def test_route_refuses_logits_that_are_not_tokens_by_experts() -> None:
 
 def test_route_refuses_an_expert_split_that_does_not_add_up() -> None:
     with pytest.raises(
-        ValueError, match=r"experts_per_rank must give each of the 1 ranks its number of experts"
+        ValueError, match=r"experts_per_rank must add up to 4, the number of experts, got \[3\]"
     ):
         P.route(torch.zeros(3, 4, dtype=DT), 1, experts_per_rank=[3])
 
@@ -74,7 +75,10 @@ def test_ring_attention_refuses_mismatched_blocks() -> None:
 
 def test_ring_attention_refuses_sizes_that_do_not_name_this_rank_s_length() -> None:
     q = torch.zeros(2, 5, 4, dtype=DT)
-    with pytest.raises(CollectiveArgumentError, match=r"this rank's 5 at index 0\), got \[4\]"):
+    with pytest.raises(
+        CollectiveArgumentError,
+        match=r"sizes\[0\] must be 5, the entries of this rank's q along dim -2, got 4",
+    ):
         P.ring_attention(q, q, q, sizes=[4])
 
 
@@ -87,7 +91,8 @@ def test_sync_batch_norm_refuses_one_value_per_channel_in_training() -> None:
 
 def test_sync_batch_norm_refuses_an_input_without_channels() -> None:
     with pytest.raises(
-        CollectiveArgumentError, match=r"expected an input of at least 2 dims, got 1"
+        CollectiveArgumentError,
+        match=r"sync_batch_norm on rank 0: x must be \[batch, channels, \.\.\.\], got shape \(3,\)",
     ):
         P.SyncBatchNorm(3)(torch.zeros(3))
 
@@ -96,7 +101,8 @@ def test_parallel_linears_refuse_an_unknown_objective() -> None:
     x, w = torch.zeros(2, 3, dtype=DT), torch.zeros(4, 3, dtype=DT)
     for layer in (P.column_parallel_linear, P.row_parallel_linear):
         with pytest.raises(
-            CollectiveArgumentError, match=r"objective must be 'sum' or 'replicated', got 'avg'"
+            CollectiveArgumentError,
+            match=r"objective must be one of \['replicated', 'sum'\], got 'avg'",
         ):
             layer(x, w, objective="avg")  # type: ignore[arg-type]
 
@@ -118,6 +124,7 @@ def test_split_to_sequence_refuses_rows_that_do_not_split_evenly_without_sizes()
     x = torch.zeros(5, 2, dtype=DT)
     assert P.split_to_sequence(x).shape == (5, 2)  # one rank: every row
     with pytest.raises(
-        CollectiveArgumentError, match=r"sizes must give each of the 1 ranks its row count"
+        CollectiveArgumentError,
+        match=r"split_to_sequence\(dim=0\) on rank 0: sizes must add up to 5, the entries of x",
     ):
         P.split_to_sequence(x, sizes=[4])

@@ -102,11 +102,13 @@ def test_route_takes_a_decision_made_elsewhere() -> None:
         assert given.send_sizes == made.send_sizes and given.expert_sizes == made.expert_sizes
     # Default weights are ones; a wrong shape or both kept and capacity are refused.
     assert torch.equal(P.route(experts=made.experts, num_experts=5).weights, torch.ones(20))
-    with pytest.raises(CollectiveArgumentError, match=r"route on rank 0: pass kept="):
+    with pytest.raises(CollectiveArgumentError, match=r"route on rank 0: pass kept or capacity"):
         P.route(experts=made.experts, num_experts=5, kept=made.kept, capacity=2)
     with pytest.raises(CollectiveArgumentError, match=r"experts= needs num_experts="):
         P.route(experts=made.experts)
-    with pytest.raises(CollectiveArgumentError, match=r"order must be 'token' or 'choice'"):
+    with pytest.raises(
+        CollectiveArgumentError, match=r"order must be one of \['choice', 'token'\], got 'expert'"
+    ):
         P.route(logits, 1, order="expert")  # type: ignore[arg-type]
 
 

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.nn import Parameter
 
 from distgrad._exchange import ops
 from distgrad._exchange.backend import metadata_device
@@ -97,7 +98,7 @@ def bound_constant(
 
 
 def _tensor_meta(x: object) -> TensorMeta | None:
-    if type(x) is not Tensor:
+    if type(x) is not Tensor and type(x) is not Parameter:  # a layer's weight: as a tensor
         return None
     assert isinstance(x, Tensor)
     if not all(type(d) is int for d in x.shape):

@@ -40,6 +40,7 @@ __all__ = [
     "Count",
     "Dim",
     "NotBoth",
+    "Option",
     "Pair",
     "Positive",
     "Rank",
@@ -273,6 +274,16 @@ class Count(_Local):
 
 
 @dataclass(frozen=True)
+class Option(_Local):
+    """An option used as passed, declared so that other fields may read it (``NotBoth``)."""
+
+    name: str
+
+    def local(self, value: Any, args: Args) -> tuple[Any, str | None]:
+        return value, None
+
+
+@dataclass(frozen=True)
 class NotBoth(_Local):
     """An option that cannot go with another (given: anything but None and False); passes
     the value on as the fields before made it."""
@@ -284,7 +295,7 @@ class NotBoth(_Local):
     def local(self, value: Any, args: Args) -> tuple[Any, str | None]:
         other = args.passed[self.other]
         made = args.values.get(self.name, value)
-        if value not in (None, False) and other not in (None, False):
+        if not (value is None or value is False or other is None or other is False):
             return made, f"pass {self.other} or {self.name}, not both{self.why}"
         return made, None
 
@@ -318,7 +329,8 @@ class TensorArg(_Local):
             or (isinstance(like, Tensor) and value.shape != like.shape)
         ):
             expected = self.expected.format(like=_shape(like) if isinstance(like, Tensor) else "")
-            got = f"{value.dtype} of shape {_shape(value)}" if self.dtypes else _shape(value)
+            got = f"{value.dtype} of " if self.dtypes else ""
+            got += f"shape {_shape(value)}"
             return None, f"{self.name} must be {expected}, got {got}"
         return None, None
 

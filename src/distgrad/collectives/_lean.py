@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.nn import Parameter
 
 from distgrad._exchange.group import Group, on_forget
 from distgrad._exchange.handshake import debug_enabled
@@ -117,7 +118,7 @@ def _shape_of(values: Iterable[object]) -> tuple[Any, ...] | list[Any]:
         kind = type(value)
         if kind in _DATA:
             shaped.append(value)
-        elif kind is Tensor:
+        elif kind is Tensor or kind is Parameter:  # a layer's weight reads as a tensor
             assert isinstance(value, Tensor)
             shaped.append((Tensor, value.shape, value.dtype, value.device, value.requires_grad))
         elif kind is list or kind is tuple:

@@ -50,6 +50,7 @@ from distgrad.collectives._fields import (
     Count,
     Dim,
     NotBoth,
+    Option,
     Rank,
     ScalarField,
     tensor_problem,
@@ -64,7 +65,7 @@ Shapes = Literal["equal", "except_dim", "free"]
 _is_compiling = torch.compiler.is_compiling
 # The fields whose values are plain data (never a tensor): a signature made of them only keys
 # its lean path by its values as passed.
-_PLAIN = (Rank, Dim, Choice, Block, Count, NotBoth, Sizes, Perm, Shape, Parts)
+_PLAIN = (Rank, Dim, Choice, Block, Count, NotBoth, Option, Sizes, Perm, Shape, Parts)
 
 
 @dataclass(frozen=True)

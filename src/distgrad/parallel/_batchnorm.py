@@ -24,7 +24,7 @@ from distgrad._exchange.group import ProcessGroup, resolve
 from distgrad._mesh import GroupLike
 from distgrad.collectives.all_gather import all_gather
 from distgrad.errors import CollectiveArgumentError
-from distgrad.parallel._checks import as_process_group, refuse, refuse_dtensors
+from distgrad.parallel._checks import SYNC_BATCH_NORM, as_process_group
 
 __all__ = ["SyncBatchNorm", "sync_batch_norm"]
 
@@ -81,19 +81,16 @@ def sync_batch_norm(
     ``ValueError``; after the exchange, on every rank) when the ranks hold one value per
     channel in all.
     """
-    refuse_dtensors("sync_batch_norm", x=x)
-    if x.dim() < 2:
-        raise refuse("sync_batch_norm", f"x must be [batch, channels, ...], got {tuple(x.shape)}")
+    call = SYNC_BATCH_NORM.bind(group, x, x=x)
     if not training:
         return torch.nn.functional.batch_norm(
             x, running_mean, running_var, weight, bias, False, 0.0, eps
         )
     mean, var, n = _global_stats(x, as_process_group(group, "sync_batch_norm"))
     if not torch.compiler.is_compiling() and int(n.item()) <= 1:
-        raise refuse(
-            "sync_batch_norm",
+        raise call.error(
             "expected more than 1 value per channel over all ranks when "
-            f"training, got {int(n.item())} (input shape {tuple(x.shape)} on this rank)",
+            f"training, got {int(n.item())} (input shape {tuple(x.shape)} on this rank)"
         )
     if running_mean is not None and running_var is not None:
         with torch.no_grad():
@@ -149,13 +146,9 @@ class SyncBatchNorm(_BatchNorm):
         return self.process_group
 
     def _check_input_dim(self, input: Tensor) -> None:
-        if input.dim() < 2:
-            raise refuse(
-                "SyncBatchNorm", f"expected an input of at least 2 dims, got {input.dim()}"
-            )
+        """Nothing here: :func:`sync_batch_norm` checks its ``x`` (one argument, one message)."""
 
     def forward(self, input: Tensor) -> Tensor:
-        self._check_input_dim(input)
         training = self.training or self.running_mean is None
         factor = 0.0 if self.momentum is None else self.momentum
         if self.training and self.track_running_stats and self.num_batches_tracked is not None:

@@ -32,12 +32,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from distgrad._exchange.group import Group, ProcessGroup, resolve
+from distgrad._exchange.group import Group, ProcessGroup
 from distgrad._mesh import GroupLike
-from distgrad.collectives._common import near_even
+from distgrad.collectives._bound import Bound
 from distgrad.collectives.all_gather import all_gather
 from distgrad.collectives.all_to_all import all_to_all
-from distgrad.parallel._checks import as_process_group, refuse, refuse_dtensors
+from distgrad.parallel._checks import COMBINE, DISPATCH, ROUTE, as_process_group
 
 __all__ = ["Routing", "combine", "dispatch", "route"]
 
@@ -69,19 +69,6 @@ class Routing:
     expert_sizes: tuple[int, ...]
     #: What dispatch returned, so that combine can tie an empty output to it (below).
     dispatched: list[Tensor] = field(default_factory=list, repr=False, compare=False)
-
-
-def _split_experts(num_experts: int, size: int, given: Sequence[int] | None) -> list[int]:
-    if given is None:
-        return near_even(num_experts, size)
-    given = list(given)
-    if len(given) != size or sum(given) != num_experts or min(given) < 0:
-        raise refuse(
-            "route",
-            f"experts_per_rank must give each of the {size} ranks its number of experts "
-            f"(non-negative, adding up to the {num_experts} experts), got {given}",
-        )
-    return given
 
 
 Order = Literal["token", "choice"]
@@ -127,18 +114,26 @@ def route(
     Communication: 1 all_gather of every rank's per-expert counts (``E`` int64 each; ``k E``
     with ``order="choice"``), read on the host: the split sizes change every step.
     """
-    if order not in ("token", "choice"):
-        raise refuse("route", f"order must be 'token' or 'choice', got {order!r}")
-    if capacity is not None and (not isinstance(capacity, int) or capacity < 0):
-        raise refuse("route", f"capacity must be None or at least 0, got {capacity!r}")
-    refuse_dtensors("route", logits=logits, experts=experts, weights=weights, kept=kept)
+    call = ROUTE.bind(
+        group,
+        None,
+        order=order,
+        capacity=capacity,
+        logits=logits,
+        experts=experts,
+        weights=weights,
+        kept=kept,
+        num_experts=num_experts,
+        k=k,
+        experts_per_rank=experts_per_rank,
+    )
+    g, num_experts, split = call.group, call["num_experts"], list(call["experts_per_rank"])
     if experts is None:
-        top_e, top_w, num_experts = _top_k(logits, k, normalize, num_experts, weights, kept)
+        assert logits is not None
+        top_e, top_w = _top_k(logits, k, normalize)
     else:
-        top_e, top_w, num_experts = _given(logits, experts, weights, kept, num_experts, capacity)
+        top_e, top_w = _given(call, experts, weights, num_experts)
     group = as_process_group(group, "route")
-    g = resolve(group, "route")
-    split = _split_experts(num_experts, g.size, experts_per_rank)
     hits = F.one_hot(top_e, num_experts)  # [T_r, k, E]
     if kept is not None:
         counts = (hits * kept[..., None]).sum((0, 1))  # [E] kept assignments per expert
@@ -154,70 +149,23 @@ def route(
     return _plan(g, group, split, top_e, kept, sent, top_w, kept_table)
 
 
-def _top_k(
-    logits: Tensor | None,
-    k: int,
-    normalize: bool,
-    num_experts: int | None,
-    weights: Tensor | None,
-    kept: Tensor | None,
-) -> tuple[Tensor, Tensor, int]:
-    if logits is None:
-        raise refuse(
-            "route", "pass logits [tokens, experts], or a decision made elsewhere: experts="
-        )
-    if weights is not None or kept is not None or num_experts is not None:
-        raise refuse(
-            "route",
-            "weights=, kept= and num_experts= go with experts= (a decision made "
-            "elsewhere), not with logits",
-        )
-    if logits.dim() != 2:
-        raise refuse("route", f"logits must be [tokens, experts], got shape {tuple(logits.shape)}")
-    num_experts = logits.shape[1]
-    if not isinstance(k, int) or not 1 <= k <= num_experts:
-        raise refuse("route", f"k must be between 1 and the {num_experts} experts, got {k!r}")
+def _top_k(logits: Tensor, k: int, normalize: bool) -> tuple[Tensor, Tensor]:
     gates = torch.softmax(logits, dim=-1)
     top_w, top_e = gates.topk(k, dim=-1)  # [T_r, k]
     if normalize:
         top_w = top_w / top_w.sum(-1, keepdim=True)
-    return top_e, top_w, num_experts
+    return top_e, top_w
 
 
 def _given(
-    logits: Tensor | None,
-    experts: Tensor,
-    weights: Tensor | None,
-    kept: Tensor | None,
-    num_experts: int | None,
-    capacity: int | None,
-) -> tuple[Tensor, Tensor, int]:
-    if logits is not None:
-        raise refuse("route", "pass logits or experts= (a decision made elsewhere), not both")
-    if not isinstance(num_experts, int) or num_experts < 1:
-        raise refuse("route", f"experts= needs num_experts= (E, at least 1), got {num_experts!r}")
-    if experts.dim() != 2 or experts.dtype not in (torch.int64, torch.int32):
-        raise refuse(
-            "route",
-            "experts must be [tokens, k] integer expert ids, got "
-            f"{experts.dtype} of shape {tuple(experts.shape)}",
-        )
+    call: Bound, experts: Tensor, weights: Tensor | None, num_experts: int
+) -> tuple[Tensor, Tensor]:
+    # The ids themselves are data: read on every call (a host synchronisation), past the door.
     if experts.numel() and not bool(((experts >= 0) & (experts < num_experts)).all()):
-        raise refuse("route", f"experts must be expert ids in [0, {num_experts}), got {experts}")
-    shape = tuple(experts.shape)
+        raise call.error(f"experts must be expert ids in [0, {num_experts}), got {experts}")
     if weights is None:
-        weights = torch.ones(shape, device=experts.device)
-    if tuple(weights.shape) != shape:
-        raise refuse("route", f"weights must be {shape} like experts, got {tuple(weights.shape)}")
-    if kept is not None and (tuple(kept.shape) != shape or kept.dtype != torch.bool):
-        raise refuse(
-            "route",
-            f"kept must be a bool tensor of shape {shape} like experts, got {kept.dtype} of "
-            f"shape {tuple(kept.shape)}",
-        )
-    if kept is not None and capacity is not None:
-        raise refuse("route", "pass kept= (what is kept, decided) or capacity=, not both")
-    return experts.long(), weights, num_experts
+        weights = torch.ones(tuple(experts.shape), device=experts.device)
+    return experts.long(), weights
 
 
 def _token_order(
@@ -307,7 +255,7 @@ def dispatch(x: Tensor, routing: Routing) -> Tensor:
     Communication: forward 1 all_to_all of [A_r, D] with the routing's sizes (no size
     exchange); backward 1 all_to_all of [R_r, D].
     """
-    refuse_dtensors("dispatch", x=x)
+    DISPATCH.bind(routing.group, x)
     rows = x.index_select(0, routing.tokens)  # [A_r, D], by destination expert
     got = all_to_all(
         rows, routing.group, input_sizes=routing.send_sizes, output_sizes=routing.recv_sizes
@@ -332,13 +280,7 @@ def combine(y: Tensor, routing: Routing) -> Tensor:
     Communication: forward 1 all_to_all of [R_r, D_out]; backward 1 all_to_all of
     [A_r, D_out].
     """
-    refuse_dtensors("combine", y=y)
-    if y.shape[0] != routing.by_expert.shape[0]:
-        raise refuse(
-            "combine",
-            f"y must have the {routing.by_expert.shape[0]} rows dispatch returned on this "
-            f"rank, got {y.shape[0]}",
-        )
+    COMBINE.bind(routing.group, y, routing=routing)
     if y.shape[0] == 0 and routing.dispatched:
         # No rows here (a rank that holds no experts, or whose experts got no tokens): an
         # empty y made from scratch would leave dispatch's output out of the loss, so this

@@ -40,10 +40,10 @@ from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
 
 from distgrad._exchange import ops
-from distgrad._exchange.group import Group, resolve
+from distgrad._exchange.group import Group
 from distgrad._mesh import GroupLike
 from distgrad.collectives.all_gather import all_gather
-from distgrad.parallel._checks import as_process_group, refuse, refuse_dtensors
+from distgrad.parallel._checks import RING_ATTENTION, as_process_group
 
 __all__ = ["ring_attention"]
 
@@ -251,36 +251,16 @@ def ring_attention(
     exchange when ``sizes`` is not given. Memory: the saved inputs, output and lse, and the
     blocks in flight; never the whole K or V.
     """
-    refuse_dtensors("ring_attention", q=q, k=k, v=v)
-    if k.shape[:-1] != q.shape[:-1] or v.shape[:-1] != k.shape[:-1]:
-        raise refuse(
-            "ring_attention",
-            "q, k and v must share every dim but the last (this rank's block "
-            f"of the sequence at dim -2), got {tuple(q.shape)}, {tuple(k.shape)}, "
-            f"{tuple(v.shape)}",
-        )
-    if q.shape[-1] != k.shape[-1]:
-        raise refuse(
-            "ring_attention",
-            f"q and k must have the same last dim, got {q.shape[-1]} and {k.shape[-1]}",
-        )
-    group = as_process_group(group, "ring_attention")
-    g = resolve(group, "ring_attention")
+    call = RING_ATTENTION.bind(group, q, k=k, v=v, sizes=sizes)
+    group, g = as_process_group(group, "ring_attention"), call.group
     if sizes is None and g.size > 1 and torch.compiler.is_compiling():
-        raise refuse(
-            "ring_attention",
+        raise call.error(
             "inside torch.compile, pass sizes= (every rank's sequence length): the lengths "
-            "cannot be exchanged within a graph",
+            "cannot be exchanged within a graph"
         )
     if sizes is None:
         mine = torch.tensor([[q.shape[-2]]], dtype=torch.int64, device=q.device)
         sizes = [int(n) for n in all_gather(mine, group, sizes=[1] * g.size).view(-1).tolist()]
-    elif len(sizes) != g.size or sizes[g.rank] != q.shape[-2]:
-        raise refuse(
-            "ring_attention",
-            f"sizes must give every rank's sequence length ({g.size} ints, this rank's "
-            f"{q.shape[-2]} at index {g.rank}), got {list(sizes)}",
-        )
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     plan = _Plan(g, tuple(sizes), causal, scale)
     return _RingAttention.apply(q, k, v, plan)  # type: ignore[no-untyped-call,no-any-return]

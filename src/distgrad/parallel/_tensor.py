@@ -34,10 +34,20 @@ from torch.autograd.function import FunctionCtx
 
 from distgrad._exchange.group import ProcessGroup, resolve
 from distgrad._mesh import GroupLike
-from distgrad.collectives._common import near_even
 from distgrad.collectives.all_gather import all_gather, reduce_scatter
 from distgrad.collectives.all_reduce import all_reduce
-from distgrad.parallel._checks import as_process_group, refuse, refuse_dtensors
+from distgrad.parallel._checks import (
+    COLUMN_LAYER,
+    COLUMN_PARALLEL_LINEAR,
+    COPY_TO_REGION,
+    GATHER_FROM_SEQUENCE,
+    REDUCE_FROM_REGION,
+    REDUCE_SCATTER_TO_SEQUENCE,
+    ROW_LAYER,
+    ROW_PARALLEL_LINEAR,
+    SPLIT_TO_SEQUENCE,
+    as_process_group,
+)
 
 __all__ = [
     "ColumnParallelLinear",
@@ -81,7 +91,7 @@ def copy_to_region(x: Tensor, group: GroupLike = None) -> Tensor:
 
     Communication: forward none; backward 1 all_reduce of ``x``'s shape.
     """
-    refuse_dtensors("copy_to_region", x=x)
+    COPY_TO_REGION.bind(group, x)
     return _CopyToRegion.apply(x, as_process_group(group, "copy_to_region"))  # type: ignore[no-untyped-call,no-any-return]
 
 
@@ -96,7 +106,7 @@ def reduce_from_region(x: Tensor, group: GroupLike = None) -> Tensor:
 
     Communication: forward 1 all_reduce of ``x``; backward none.
     """
-    refuse_dtensors("reduce_from_region", x=x)
+    REDUCE_FROM_REGION.bind(group, x)
     group = as_process_group(group, "reduce_from_region")
     return all_reduce(x, "sum", group, objective="replicated")
 
@@ -125,8 +135,7 @@ def gather_from_sequence(
     Communication: forward 1 all_gather of [T_r, ...]; backward 1 reduce_scatter of [T, ...]
     under ``"sum"``, none under ``"replicated"``.
     """
-    _objective_problem(objective, "gather_from_sequence")
-    refuse_dtensors("gather_from_sequence", x=x)
+    GATHER_FROM_SEQUENCE.bind(group, x, objective=objective)
     group = as_process_group(group, "gather_from_sequence")
     return all_gather(x, group, dim=dim, sizes=sizes, objective=objective)
 
@@ -178,29 +187,11 @@ def split_to_sequence(
     Communication: forward none; backward none under ``"sum"``, 1 all_gather of [T_r, ...]
     under ``"replicated"``.
     """
-    _objective_problem(objective, "split_to_sequence")
-    refuse_dtensors("split_to_sequence", x=x)
-    group = as_process_group(group, "split_to_sequence")
-    g = resolve(group, "split_to_sequence")
-    if not -max(x.dim(), 1) <= dim < max(x.dim(), 1):
-        raise refuse("split_to_sequence", f"dim must be a dim of x {tuple(x.shape)}, got {dim}")
-    rows = x.shape[dim] if x.dim() else 0
-    if sizes is None:
-        if rows % g.size:
-            raise refuse(
-                "split_to_sequence",
-                f"{rows} rows do not split evenly over {g.size} ranks; pass sizes= (every "
-                "rank's row count)",
-            )
-        sizes = [rows // g.size] * g.size
-    if len(sizes) != g.size or sum(sizes) != rows or min(sizes) < 0:
-        raise refuse(
-            "split_to_sequence",
-            f"sizes must give each of the {g.size} ranks its row count (non-negative, adding "
-            f"up to the {rows} rows of x), got {list(sizes)}",
-        )
+    call = SPLIT_TO_SEQUENCE.bind(group, x, objective=objective, dim=dim, sizes=sizes)
+    g, dim, sizes = call.group, call["dim"], call["sizes"]
     if objective == "replicated" and g.size > 1:
-        return _SplitReplicated.apply(x, tuple(sizes), g.rank, group, dim)  # type: ignore[no-untyped-call,no-any-return]
+        group = as_process_group(group, "split_to_sequence")
+        return _SplitReplicated.apply(x, sizes, g.rank, group, dim)  # type: ignore[no-untyped-call,no-any-return]
     return x.narrow(dim, sum(sizes[: g.rank]), sizes[g.rank])
 
 
@@ -217,14 +208,9 @@ def reduce_scatter_to_sequence(
 
     Communication: forward 1 reduce_scatter of [T, ...]; backward 1 all_gather of [T_r, ...].
     """
-    refuse_dtensors("reduce_scatter_to_sequence", x=x)
+    REDUCE_SCATTER_TO_SEQUENCE.bind(group, x)
     group = as_process_group(group, "reduce_scatter_to_sequence")
     return reduce_scatter(x, "sum", group, dim=dim, sizes=sizes)
-
-
-def _objective_problem(objective: object, op: str) -> None:
-    if objective not in ("sum", "replicated"):
-        raise refuse(op, f"objective must be 'sum' or 'replicated', got {objective!r}")
 
 
 def column_parallel_linear(
@@ -264,16 +250,16 @@ def column_parallel_linear(
     ``x`` under ``"replicated"``, else none. ``gather_output`` adds 1 all_gather of
     [..., H_r] forward and, under ``"sum"``, 1 reduce_scatter of [..., H] backward.
     """
-    op = "column_parallel_linear"
-    _objective_problem(objective, op)
-    refuse_dtensors(op, x=x, weight=weight, bias=bias)
-    group = as_process_group(group, op)
-    if sequence_parallel and gather_output:
-        raise refuse(
-            op,
-            "gather_output needs the whole input on every rank, not sequence_parallel (as "
-            "in Megatron): gather the rows after the layer with gather_from_sequence",
-        )
+    COLUMN_PARALLEL_LINEAR.bind(
+        group,
+        x,
+        objective=objective,
+        weight=weight,
+        bias=bias,
+        sequence_parallel=sequence_parallel,
+        gather_output=gather_output,
+    )
+    group = as_process_group(group, "column_parallel_linear")
     if sequence_parallel:
         x = gather_from_sequence(x, group, sizes=sizes)
     elif objective == "replicated":
@@ -319,13 +305,17 @@ def row_parallel_linear(
     under ``"replicated"`` (``sequence_parallel``: 1 all_gather of [T_r, D_out]); a whole
     input adds 1 all_gather of [..., H_r] backward under ``"replicated"``.
     """
-    op = "row_parallel_linear"
-    _objective_problem(objective, op)
-    refuse_dtensors(op, x=x, weight=weight, bias=bias)
-    group = as_process_group(group, op)
+    call = ROW_PARALLEL_LINEAR.bind(
+        group,
+        x,
+        objective=objective,
+        weight=weight,
+        bias=bias,
+        splits=None if input_is_parallel else splits,  # x's features, when split here
+    )
+    group = as_process_group(group, "row_parallel_linear")
     if not input_is_parallel:
-        size = resolve(group, op).size
-        features = _split(x.shape[-1], size, splits, f"{op}: splits")
+        features = call["splits"]
         x = split_to_sequence(x, group, sizes=features, objective=objective, dim=-1)
     partial = F.linear(x, weight)
     if sequence_parallel:
@@ -333,19 +323,6 @@ def row_parallel_linear(
     else:
         y = all_reduce(partial, "sum", group, objective=objective)
     return y if bias is None else y + bias
-
-
-def _split(total: int, size: int, given: Sequence[int] | None, what: str) -> list[int]:
-    if given is None:
-        return near_even(total, size)
-    if len(given) != size or sum(given) != total or min(given) < 0:
-        op, _, name = what.partition(": ")
-        raise refuse(
-            op,
-            f"{name} must give each of the {size} ranks its number of features (non-negative, "
-            f"adding up to {total}), got {list(given)}",
-        )
-    return list(given)
 
 
 _Layer = TypeVar("_Layer", bound=nn.Module)
@@ -392,11 +369,16 @@ class ColumnParallelLinear(nn.Module):
     ) -> None:
         super().__init__()
         op = "ColumnParallelLinear"
-        _objective_problem(objective, op)
-        if sequence_parallel and gather_output:
-            raise refuse(op, "pass sequence_parallel or gather_output, not both (as in Megatron)")
-        g = resolve(group, op)
-        self.splits = _split(out_features, g.size, splits, f"{op}: splits")
+        call = COLUMN_LAYER.bind(
+            group,
+            None,
+            objective=objective,
+            sequence_parallel=sequence_parallel,
+            gather_output=gather_output,
+            out_features=out_features,
+            splits=splits,
+        )
+        g, self.splits = call.group, list(call["splits"])
         mine = self.splits[g.rank]
         local = nn.Linear(in_features, mine, bias, device=device, dtype=dtype)
         self.weight, self.bias = local.weight, local.bias
@@ -461,9 +443,10 @@ class RowParallelLinear(nn.Module):
     ) -> None:
         super().__init__()
         op = "RowParallelLinear"
-        _objective_problem(objective, op)
-        g = resolve(group, op)
-        self.splits = _split(in_features, g.size, splits, f"{op}: splits")
+        call = ROW_LAYER.bind(
+            group, None, objective=objective, in_features=in_features, splits=splits
+        )
+        g, self.splits = call.group, list(call["splits"])
         local = nn.Linear(self.splits[g.rank], out_features, bias, device=device, dtype=dtype)
         self.weight, self.bias = local.weight, local.bias
         self.group: ProcessGroup | None = as_process_group(group, op)
