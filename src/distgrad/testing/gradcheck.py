@@ -65,15 +65,11 @@ class _Job:
             os.environ["DISTGRAD_DEBUG"] = "1"
             set_debug(True)
         leaves = [_leaf(t.detach().clone()) for t in self.shards[rank]]
-        model = self._model()
-        loss = _forward(self.fn, self.names, self.by_name, leaves, model)
-        _backward(loss, 1.0 if self._back_propagates(rank) else 0.0)
-        return _result(loss, self.names, leaves, model, rank)
+        return self.run(leaves, self._model(), [rank])[0]
 
     def every_rank(self, world_size: int) -> list[RunResult]:
         """Every rank's run in one program (``_simulate``): ``fn`` called on tensors that hold
-        each rank's shard, one backward of every rank's loss (times 0 on a rank that does
-        not back-propagate, as on processes)."""
+        each rank's shard."""
         was_debug = debug_enabled()
         set_debug(self.debug)
         try:
@@ -82,23 +78,50 @@ class _Job:
                 _leaf(_simulate.stacked([self.shards[r][i] for r in ranks]))
                 for i in range(len(self.names))
             ]
-            model = self._model()
-            loss = _forward(self.fn, self.names, self.by_name, leaves, model)
-            weights = [
-                torch.tensor(float(self._back_propagates(r)), dtype=loss.dtype) for r in ranks
-            ]
-            _backward(loss, _simulate.stacked(weights))
-            return [_result(loss, self.names, leaves, model, r) for r in ranks]
+            return self.run(leaves, self._model(), list(ranks))
         finally:
             set_debug(was_debug)
+
+    def run(
+        self, leaves: Sequence[Tensor], model: nn.Module | None, ranks: Sequence[int]
+    ) -> list[RunResult]:
+        """``fn`` on ``leaves``, one backward of the loss (times 0 on a rank that does not
+        back-propagate: it still joins the backward's collectives), and the loss and
+        gradients of each of ``ranks`` (more than one: the slots of a simulation)."""
+        prefix = [model] if model is not None else []
+        named = dict(zip(self.names, leaves, strict=True)) if self.by_name else {}
+        loss = self.fn(*prefix, **named) if self.by_name else self.fn(*prefix, *leaves)
+        if not isinstance(loss, Tensor) or loss.numel() != 1:
+            raise NotALossError(
+                "the checked function must return this rank's loss as a scalar tensor, got "
+                f"{type(loss).__name__}{'' if not isinstance(loss, Tensor) else tuple(loss.shape)}"
+            )
+        if loss.requires_grad:
+            weights = [
+                float(self.backward_ranks is None or r in self.backward_ranks) for r in ranks
+            ]
+            weight = (
+                weights[0]
+                if len(ranks) == 1
+                else _simulate.stacked([torch.tensor(w, dtype=loss.dtype) for w in weights])
+            )
+            torch.autograd.backward((loss * weight).reshape(()))
+        params = dict(model.named_parameters()) if model is not None else {}
+        return [
+            RunResult(
+                loss=float(_simulate.local(loss.detach().reshape(()), r).item()),
+                input_grads={
+                    n: copy_on(t.grad, r) for n, t in zip(self.names, leaves, strict=True)
+                },
+                param_grads={n: copy_on(p.grad, r) for n, p in params.items()},
+            )
+            for r in ranks
+        ]
 
     def _model(self) -> nn.Module | None:
         if self.make_model is None or self.model_state is None:
             return None
         return made(self.make_model, self.model_state)
-
-    def _back_propagates(self, rank: int) -> bool:
-        return self.backward_ranks is None or rank in self.backward_ranks
 
 
 def check_against_single_process(
@@ -176,12 +199,12 @@ def check_against_single_process(
         )
     reference_model = model() if model is not None else None
     state = state_of(reference_model) if reference_model is not None else None
-    reference = _reference_run(fn, names, by_name, tensors, reference_model)
     shards = tuple(
         tuple(torch.split(t, sizes, dim=shard_dim)[rank] if _shardable(t) else t for t in tensors)
         for rank in range(world_size)
     )
     job = _Job(fn, names, by_name, shards, model, state, None, debug)
+    reference = _reference_run(job, tensors, reference_model)
 
     def run(job: _Job) -> list[RunResult]:
         return run_job(
@@ -229,19 +252,10 @@ def _check_binding(
         ) from None
 
 
-def _reference_run(
-    fn: Callable[..., Tensor],
-    names: Sequence[str],
-    by_name: bool,
-    tensors: Sequence[Tensor],
-    model: nn.Module | None,
-) -> RunResult:
+def _reference_run(job: _Job, tensors: Sequence[Tensor], model: nn.Module | None) -> RunResult:
     """The single-process run; a torch.distributed call that needs a process group gets a hint."""
     try:
-        leaves = [_leaf(t.detach().clone()) for t in tensors]
-        loss = _forward(fn, names, by_name, leaves, model)
-        _backward(loss, 1.0)
-        return _result(loss, names, leaves, model, 0)
+        return job.run([_leaf(t.detach().clone()) for t in tensors], model, [0])[0]
     except ValueError as exc:
         if dist.is_initialized() or "process group has not been initialized" not in str(exc):
             raise
@@ -301,43 +315,6 @@ def _shard_sizes(
     return list(sizes)
 
 
-def _forward(
-    fn: Callable[..., Tensor],
-    names: Sequence[str],
-    by_name: bool,
-    leaves: Sequence[Tensor],
-    model: nn.Module | None,
-) -> Tensor:
-    prefix = [model] if model is not None else []
-    named = dict(zip(names, leaves, strict=True)) if by_name else {}
-    loss = fn(*prefix, **named) if by_name else fn(*prefix, *leaves)
-    if not isinstance(loss, Tensor) or loss.numel() != 1:
-        raise NotALossError(
-            "the checked function must return this rank's loss as a scalar tensor, got "
-            f"{type(loss).__name__}{'' if not isinstance(loss, Tensor) else tuple(loss.shape)}"
-        )
-    return loss
-
-
 def _leaf(t: Tensor) -> Tensor:
     """A fresh copy of an input made a leaf: differentiated when floating-point."""
     return t.requires_grad_(t.is_floating_point())
-
-
-def _backward(loss: Tensor, weight: Tensor | float) -> None:
-    """Back-propagate ``weight`` times the loss: 1 or 0 (a rank that does not back-propagate
-    still joins the backward's collectives), or one weight per rank (simulated)."""
-    if loss.requires_grad:
-        torch.autograd.backward((loss * weight).reshape(()))
-
-
-def _result(
-    loss: Tensor, names: Sequence[str], leaves: Sequence[Tensor], model: nn.Module | None, rank: int
-) -> RunResult:
-    """Rank ``rank``'s loss and gradients (a plain tensor is this process's own)."""
-    params = dict(model.named_parameters()) if model is not None else {}
-    return RunResult(
-        loss=float(_simulate.local(loss.detach().reshape(()), rank).item()),
-        input_grads={n: copy_on(t.grad, rank) for n, t in zip(names, leaves, strict=True)},
-        param_grads={n: copy_on(p.grad, rank) for n, p in params.items()},
-    )
