@@ -47,7 +47,7 @@ EXCHANGE_FLOORS: Layers = [
     [[f"{_X}.inflight"], [f"{_X}.functional"]],
     # Point-to-point pairs; the checked calls' metadata handshake; AsyncTensor.
     [[f"{_X}.pairs"], [f"{_X}.handshake"], [f"{_X}.async_op"]],
-    [[f"{_X}.declare"]],  # one declaration -> eager call, async branch, traced form
+    [[f"{_X}.declare"]],  # one declaration -> its call forms, typed as its steps
     [[f"{_X}.ops"]],  # the exchanges, one file each
     [[f"{_X}.__init__"]],
 ]

@@ -12,8 +12,9 @@ Its floors, bottom first (``tests/unit/test_layers.py`` keeps them):
   written with torch's functional collectives, what a traced call emits);
 * ``pairs`` (point-to-point exchanges), ``handshake`` (the checked calls' metadata and debug
   mode) and ``async_op`` (``AsyncTensor``: results that wait for their data on first use);
-* ``declare``: one declaration per exchange, from which come its eager call, its
-  ``async_op=True`` branch and its traced form;
+* ``declare``: one declaration per exchange, typed as its steps, from which come its call
+  forms (blocking, in flight for ``async_op=True``, started, eager, steps; the traced form
+  while ``torch.compile`` traces);
 * ``ops``: the exchanges, one file each (its steps and its declaration).
 
 A new exchange is one file in ``ops``. Its public declarations, all that ``distgrad.losses``
