@@ -8,7 +8,9 @@ gradient of its rows; the scale and bias gradients summed over ranks are world_s
 single-process ones. Double backward (CLIP): every rank takes ``g_r = dL_r/d(x_r, y_r)`` with
 ``create_graph=True`` and back-propagates ``<g_r, v_r>`` with a random ``v``; under the sum
 objective that is ``W <dL/dz, v>``, so each rank's rows get ``W (H v)_r``. float64, tolerance
-FLOAT64 (only the order of the sums differs), 1 to 4 ranks, uneven and empty shards.
+FLOAT64 (only the order of the sums differs), 1 to 4 ranks, uneven and empty shards. Each test
+runs on processes and simulated (``run_on_ranks(simulate=True)``: every rank in this process,
+the rank as data), and simulated also at 8 ranks and, in the slow tier, at 64.
 """
 
 from __future__ import annotations
@@ -20,9 +22,16 @@ from torch import Tensor
 
 import distgrad as dg
 from distgrad.testing import run_on_ranks
-from tests._support import FLOAT64, seeded
+from tests._support import FLOAT64, rows_of, seeded
 
 SHARDINGS = [[7], [4, 3], [3, 0, 4], [1, 3, 2, 1], [7, 0]]
+# Simulated: every rank in one process, so eight ranks cost what two do on processes.
+SIMULATED = [*SHARDINGS, [1, 0, 2, 1, 1, 0, 1, 1]]
+RUNS = [
+    *(pytest.param(sizes, False, id=f"{sizes}-processes") for sizes in SHARDINGS),
+    *(pytest.param(sizes, True, id=f"{sizes}-simulated") for sizes in SIMULATED),
+    pytest.param([1, 2] * 32, True, id="64 ranks-simulated", marks=pytest.mark.slow),
+]
 SCALE, BIAS = 6.5, -2.0
 
 
@@ -51,8 +60,7 @@ def signs_siglip(x: Tensor, y: Tensor, s: Tensor, b: Tensor) -> Tensor:
 
 
 def _leaves(sizes: list[int], rank: int | None) -> list[Tensor]:
-    rows = slice(None) if rank is None else slice(sum(sizes[:rank]), sum(sizes[: rank + 1]))
-    x, y, vx, vy = (t[rows] for t in _batch(sum(sizes)))
+    x, y, vx, vy = (t if rank is None else rows_of(t, sizes, rank) for t in _batch(sum(sizes)))
     s = torch.tensor(SCALE, dtype=torch.float64)
     b = torch.tensor(BIAS, dtype=torch.float64)
     return [t.clone().requires_grad_(True) for t in (x, y, s, b)] + [vx, vy]
@@ -72,11 +80,13 @@ def _first_order(rank: int, world_size: int, sizes: list[int]) -> list[list[Tens
     return found
 
 
-@pytest.mark.parametrize("sizes", SHARDINGS, ids=str)
-def test_one_product_dense_paths_equal_the_written_formulas(sizes: list[int]) -> None:
+@pytest.mark.parametrize(("sizes", "simulate"), RUNS)
+def test_one_product_dense_paths_equal_the_written_formulas(
+    sizes: list[int], simulate: bool
+) -> None:
     """Value on every rank, input gradients W times the single-process rows, scale and bias
     gradients summed over ranks W times the single-process ones."""
-    per_rank = run_on_ranks(_first_order, len(sizes), args=(sizes,))
+    per_rank = run_on_ranks(_first_order, len(sizes), args=(sizes,), simulate=simulate)
     w = len(sizes)
     for case, name in enumerate(("clip", "siglip")):
         x, y, s, b, _, _ = _leaves(sizes, None)
@@ -103,12 +113,19 @@ def _second_order(rank: int, world_size: int, sizes: list[int]) -> list[Tensor]:
     return [gx.detach(), gy.detach(), x.grad, y.grad, s.grad]
 
 
-@pytest.mark.parametrize("sizes", [[4, 3], [3, 0, 4], [1, 3, 2, 1]], ids=str)
-def test_clip_dense_path_is_twice_differentiable(sizes: list[int]) -> None:
+@pytest.mark.parametrize(
+    ("sizes", "simulate"),
+    [
+        pytest.param(sizes, sim, id=f"{sizes}-{'simulated' if sim else 'processes'}")
+        for sim in (False, True)
+        for sizes in ([4, 3], [3, 0, 4], [1, 3, 2, 1])
+    ],
+)
+def test_clip_dense_path_is_twice_differentiable(sizes: list[int], simulate: bool) -> None:
     """First-order gradients W times the single-process ones; the Hessian-vector products of
     the objective sum_r <g_r, v_r> equal W times the single-process ones (rows on their owner,
     the scale's summed over ranks)."""
-    per_rank = run_on_ranks(_second_order, len(sizes), args=(sizes,))
+    per_rank = run_on_ranks(_second_order, len(sizes), args=(sizes,), simulate=simulate)
     w = len(sizes)
     x, y, s, _, vx, vy = _leaves(sizes, None)
     gx, gy = torch.autograd.grad(two_products_clip(x, y, s), [x, y], create_graph=True)

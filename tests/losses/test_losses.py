@@ -5,7 +5,9 @@ Semantics asserted (docs/losses.md): each rank's loss value is the global loss; 
 gradients are world_size times the single-process ones and the DDP-averaged parameter
 gradients (encoder and the learnable temperature/scale/bias) equal the single-process ones.
 Checked with dg.testing.check_against_single_process in float64 (its default tolerance,
-rtol 1e-7, for the different reduction order across ranks).
+rtol 1e-7, for the different reduction order across ranks), on processes and simulated
+(``simulate=True``: every rank in this process), simulated also at 6 and 8 ranks and, in the
+slow tier, at 64.
 """
 
 from __future__ import annotations
@@ -30,21 +32,48 @@ def _views(rows: int) -> dict[str, torch.Tensor]:
     }
 
 
-SHARDINGS = [(1, None), (2, [4, 3]), (3, [3, 2, 2]), (4, [1, 3, 2, 1]), (2, [7, 0])]
+SHARDINGS: list[tuple[int, list[int] | None]] = [
+    (1, None),
+    (2, [4, 3]),
+    (3, [3, 2, 2]),
+    (4, [1, 3, 2, 1]),
+    (2, [7, 0]),
+]
+# Simulated, every rank costs a pass over its rows in this process, not a process start.
+SIMULATED = [*SHARDINGS, (6, [2, 0, 1, 1, 2, 1]), (8, [1, 1, 0, 1, 1, 1, 1, 1])]
+
+
+def _check_every_sharding(
+    loss: object, shardings: list[tuple[int, list[int] | None]], simulate: bool
+) -> None:
+    for world_size, sizes in shardings:
+        rows = 7 if sizes is None else sum(sizes)
+        report = check_against_single_process(
+            loss,
+            _views(rows),
+            world_size=world_size,
+            shard_sizes=sizes,
+            model=cases.Learnable,  # type: ignore[arg-type]
+            simulate=simulate,
+        )
+        assert report.ok, f"{world_size} ranks, shards {sizes}:\n{report}"
+        assert all(abs(x - report.reference_loss) < 1e-9 for x in report.losses)
 
 
 @pytest.mark.parametrize("loss", cases.ALL, ids=lambda f: f.__name__)
 def test_loss_and_gradients_equal_single_process_on_any_sharding(loss: object) -> None:
-    for world_size, sizes in SHARDINGS:
-        report = check_against_single_process(
-            loss,
-            _views(7),
-            world_size=world_size,
-            shard_sizes=sizes,
-            model=cases.Learnable,  # type: ignore[arg-type]
-        )
-        assert report.ok, f"{world_size} ranks, shards {sizes}:\n{report}"
-        assert all(abs(x - report.reference_loss) < 1e-9 for x in report.losses)
+    _check_every_sharding(loss, SHARDINGS, simulate=False)
+
+
+@pytest.mark.parametrize("loss", cases.ALL, ids=lambda f: f.__name__)
+def test_loss_and_gradients_equal_single_process_simulated(loss: object) -> None:
+    _check_every_sharding(loss, SIMULATED, simulate=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss", cases.ALL, ids=lambda f: f.__name__)
+def test_loss_and_gradients_equal_single_process_simulated_at_64_ranks(loss: object) -> None:
+    _check_every_sharding(loss, [(64, [1, 2] * 32)], simulate=True)
 
 
 def _ddp_step(rank: int, world_size: int) -> dict[str, torch.Tensor]:

@@ -23,7 +23,7 @@ def _rank() -> int:
 
 def _offset(rows: int) -> Tensor:
     """This rank's first global row, a 0-dim tensor."""
-    sizes = dg.all_gather(torch.tensor([rows]))
+    sizes = dg.all_gather(torch.full((1,), rows))  # (full: ``rows`` may be a per-rank int)
     return sizes[: _rank()].sum()
 
 
@@ -39,8 +39,14 @@ def _on_rank(rank: int, value: float, otherwise: float) -> Tensor:
 def _info_nce(q: Tensor, keys: Tensor) -> Tensor:
     """Mean over this rank's queries; the positive of query i is global key offset + i."""
     logits = q @ keys.T
-    labels = torch.arange(len(q)) + _offset(len(q))
-    return F.cross_entropy(logits, labels)
+    labels = torch.arange(q.shape[0]) + _offset(q.shape[0])
+    return _cross_entropy(logits, labels).mean()
+
+
+def _cross_entropy(logits: Tensor, labels: Tensor) -> Tensor:
+    """Each row's ``F.cross_entropy(..., reduction="none")`` as log_softmax and a pick: torch's
+    fused nll_loss cannot take a row count that differs between simulated ranks."""
+    return -F.log_softmax(logits, 1).gather(1, labels.unsqueeze(1)).squeeze(1)
 
 
 def right(q: Tensor, k: Tensor) -> Tensor:
@@ -53,8 +59,8 @@ def right_for_uneven_shards(q: Tensor, k: Tensor) -> Tensor:
     keys = dg.all_gather(k)
     world = dist.get_world_size() if dist.is_initialized() else 1
     logits = q @ keys.T
-    labels = torch.arange(len(q)) + _offset(len(q))
-    return F.cross_entropy(logits, labels, reduction="sum") * world / len(keys)
+    labels = torch.arange(q.shape[0]) + _offset(q.shape[0])
+    return _cross_entropy(logits, labels).sum() * world / keys.shape[0]
 
 
 def with_temperature(q: Tensor, k: Tensor, temperature: Tensor) -> Tensor:

@@ -96,13 +96,25 @@ def test_a_call_made_from_two_places_is_refused_not_answered() -> None:
     assert "drop simulate=True" in str(info.value)
 
 
-def test_uneven_shards_are_refused_before_anything_runs() -> None:
-    with pytest.raises(CheckArgumentError, match=r"even shards only, got \[4, 3\]"):
-        check_against_single_process(L.right, _batch(7), simulate=True)
-    with pytest.raises(CheckArgumentError, match="drop simulate=True"):
-        check_against_single_process(
-            L.right_for_uneven_shards, _batch(7), shard_sizes=[6, 1], simulate=True
-        )
+@pytest.mark.parametrize(
+    ("fn", "shards"),
+    [
+        (L.right, [4, 3]),
+        (L.right_for_uneven_shards, [6, 1]),
+        (L.right_for_uneven_shards, [5, 0, 2]),
+    ],
+    ids=["even-only code on [4, 3]", "[6, 1]", "[5, 0, 2]"],
+)
+def test_uneven_shards_get_the_same_verdict(fn: Callable[..., Any], shards: list[int]) -> None:
+    """Each rank's own rows: a LocalTensor whose ranks' shapes differ, exchanged by the
+    functional collectives with each rank's sizes (the mean of local means is wrong on [4, 3]:
+    both checks say so)."""
+    inputs, n = _batch(sum(shards)), len(shards)
+    simulated = check_against_single_process(
+        fn, inputs, world_size=n, shard_sizes=shards, simulate=True
+    )
+    processes = check_against_single_process(fn, inputs, world_size=n, shard_sizes=shards)
+    _same_verdict(simulated, processes)
 
 
 def _clip(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -113,13 +125,32 @@ def _clip_ring(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return dg.losses.clip_loss(a, b, block_size=2)
 
 
-@pytest.mark.parametrize("fn", [_clip, _clip_ring], ids=["dense", "ring"])
-def test_distgrad_losses_are_refused_not_answered(fn: Callable[..., torch.Tensor]) -> None:
-    """The losses read their row offset as a Python int of the rank (sum(rows[:g.rank])): a
-    plain LocalTensorMode run gives every rank rank 0's offset (a wrong loss and gradient);
-    here the per-rank runs disagree and the check is refused."""
-    with pytest.raises(CheckArgumentError, match="drop simulate=True"):
-        check_against_single_process(fn, {"a": _batch(8)["q"], "b": _batch(8)["k"]}, simulate=True)
+@pytest.mark.parametrize(
+    ("fn", "shards"),
+    [(_clip, [5, 0, 3]), (_clip_ring, [3, 3, 3])],
+    ids=["dense, uneven", "ring, even"],
+)
+def test_distgrad_losses_get_the_same_verdict(
+    fn: Callable[..., torch.Tensor], shards: list[int]
+) -> None:
+    """The losses write a rank's rows as arithmetic on the rank (first_row, own_rows), so one
+    simulated run holds every rank's; tests/losses runs every loss's exact tests this way."""
+    inputs = {"a": _batch(sum(shards))["q"], "b": _batch(sum(shards))["k"]}
+    kwargs: dict[str, Any] = {"world_size": len(shards), "shard_sizes": shards}
+    simulated = check_against_single_process(fn, inputs, simulate=True, **kwargs)
+    _same_verdict(simulated, check_against_single_process(fn, inputs, **kwargs))
+
+
+def test_a_ring_loss_on_uneven_shards_is_refused_not_answered() -> None:
+    """The ring kernel loops over the blocks of each rank's own rows: a Python path per rank,
+    which one program cannot take for all; the per-rank runs disagree, and the error says
+    where the rank was first needed as one value."""
+    inputs = {"a": _batch(7)["q"], "b": _batch(7)["k"]}
+    with pytest.raises(CheckArgumentError, match=r"first at _blockwise\.py:\d+") as info:
+        check_against_single_process(
+            _clip_ring, inputs, world_size=3, shard_sizes=[3, 0, 4], simulate=True
+        )
+    assert "drop simulate=True" in str(info.value)
 
 
 @pytest.mark.parametrize(
@@ -160,3 +191,18 @@ def test_a_process_group_already_in_the_process_is_refused() -> None:
     """Simulating needs the process to itself: a rank of a real job is told so."""
     messages = run_on_ranks(_check_inside_a_job, 2)
     assert all("one is initialised here" in text for text in messages), messages
+
+
+def _fused_cross_entropy(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    keys = dg.all_gather(k)
+    labels = torch.arange(q.shape[0]) + L._offset(q.shape[0])
+    return torch.nn.functional.cross_entropy(q @ keys.T, labels)
+
+
+def test_torchs_fused_cross_entropy_on_uneven_shards_is_refused_not_answered() -> None:
+    """torch's nll_loss has no rule for a row count that differs between simulated ranks
+    (docs/checker.md: write it as log_softmax and a pick); refused, never answered."""
+    with pytest.raises(CheckArgumentError, match="drop simulate=True"):
+        check_against_single_process(
+            _fused_cross_entropy, _batch(7), shard_sizes=[4, 3], simulate=True
+        )

@@ -113,6 +113,11 @@ def real(x: Tensor) -> Tensor:
 
 
 def pad_rows(x: Tensor, rows: int) -> Tensor:
+    """``x`` with zero rows after its own, ``rows`` in all."""
+    if not isinstance(x.shape[0], int):
+        # A per-rank row count (simulate=True: one SymInt holding every rank's): each rank
+        # pads by its own, with no branch on which ranks need it.
+        return torch.cat([x, x.new_zeros((rows - x.shape[0], *x.shape[1:]))])
     if x.shape[0] == rows:
         return x.contiguous()
     out = x.new_zeros((rows, *x.shape[1:]))

@@ -98,7 +98,7 @@ class Exchange(Generic[P, R]):
         a: tuple[Any, ...] = args
         k: dict[str, Any] = kwargs
         group: Group = k["group"]
-        if group.pg is not None and _is_compiling():
+        if group.pg is not None and (_is_compiling() or group.rank_is_data):
             return self._result(self._trace(a, k), a[0])
         x = a[0]
         if x is not None and type(x) is not Tensor:  # (_resolved, inline: every call)
@@ -123,7 +123,7 @@ class Exchange(Generic[P, R]):
         a: tuple[Any, ...] = args
         k: dict[str, Any] = kwargs
         group: Group = k["group"]
-        if group.pg is not None and _is_compiling():
+        if group.pg is not None and (_is_compiling() or group.rank_is_data):
             return self._result(self._trace(a, k), a[0])
         x, a = self._resolved(a)
         meta: Callable[..., Meta] = self.meta
@@ -137,7 +137,7 @@ class Exchange(Generic[P, R]):
         compute (a ring's step); traced: the traced form, whose wait the compiler places."""
         k: dict[str, Any] = kwargs
         group: Group = k["group"]
-        if group.pg is not None and _is_compiling():
+        if group.pg is not None and (_is_compiling() or group.rank_is_data):
             return Done(self._trace(args, k))
         x, a = self._resolved(args)
         return Pending(self._steps_of(x, a, k), later=False)

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from distgrad._exchange.backend import pad_rows, trim_cat
-from distgrad._exchange.group import Group
+from distgrad._exchange.group import Group, is_rank, own_rows
 
 __all__ = [
     "all_gather",
@@ -74,7 +74,7 @@ def reduce_scatter(x: Tensor, sizes: Sequence[int], *, group: Group) -> Tensor:
     if any(s != width for s in sizes):
         x = torch.cat([pad_rows(part, width) for part in x.split_with_sizes(list(sizes))])
     out = wait(_C.reduce_scatter_tensor(x.contiguous(), "sum", group.size, group.name))
-    return out if sizes[group.rank] == width else out[: sizes[group.rank]]
+    return out if all(s == width for s in sizes) else out.narrow(0, 0, own_rows(sizes, group.rank))
 
 
 def all_reduce(x: Tensor, op: str, *, group: Group) -> Tensor:
@@ -106,7 +106,7 @@ def all_to_all(
 def gather(x: Tensor, sizes: Sequence[int], dst: int, *, group: Group) -> Tensor | None:
     """Every rank's rows on ``dst`` (an all_to_all that sends only there); None elsewhere."""
     sent = [x.shape[0] if r == dst else 0 for r in range(group.size)]
-    got = list(sizes) if group.rank == dst else [0] * group.size
+    got = [size * is_rank(group.rank, dst) for size in sizes]  # sizes on dst, else zeros
     out = all_to_all(x, sent, got, group=group)
     return out if group.rank == dst else None
 
@@ -141,8 +141,9 @@ def permute(x: Tensor, perm: Sequence[int], recv_shape: Sequence[int], *, group:
     Every rank joins the one collective, a rank that keeps its own tensor too."""
     if all(to == r for r, to in enumerate(perm)):
         return x.clone()
-    source = list(perm).index(group.rank)
-    return shift(x[None], [perm[group.rank]], [source], recv_shape, group=group)[0]
+    inverse = [list(perm).index(r) for r in range(group.size)]
+    to, source = own_rows(perm, group.rank), own_rows(inverse, group.rank)
+    return shift(x[None], [to], [source], recv_shape, group=group)[0]
 
 
 def shift(
@@ -156,6 +157,8 @@ def shift(
     """``x[i]`` to group rank ``to[i]``; row j of the result, of ``recv_shape``, from group rank
     ``sources[j]``: point-to-point messages in one ``all_to_all_single`` (so each pair of ranks
     exchanges at most one message each way)."""
+    if group.rank_is_data:
+        return _shift_by_message(x, to, sources, recv_shape, group)
     assert len(set(to)) == len(to) and len(set(sources)) == len(sources), (to, sources)
     sent, received = math.prod(x.shape[1:]), math.prod(recv_shape)
     input_sizes = [sent if r in to else 0 for r in range(group.size)]
@@ -170,6 +173,24 @@ def shift(
     if ranked == list(sources):
         return got
     return torch.stack([got[ranked.index(s)] for s in sources])
+
+
+def _shift_by_message(
+    x: Tensor, to: Sequence[int], sources: Sequence[int], recv_shape: Sequence[int], group: Group
+) -> Tensor:
+    """``shift`` where the rank is per-rank data (``Group.rank_is_data``, simulate=True), so
+    ``to`` and ``sources`` hold every rank's peers: one ``all_to_all_single`` per message,
+    whose splits are arithmetic on them (one message in rank order needs no sorting). Message
+    i travels in collective i: every rank's i-th message goes to the rank whose i-th source it
+    is, as in a ring's step (each rank sends to rank + 1 what rank + 1 takes from rank - 1)."""
+    sent, received = math.prod(x.shape[1:]), math.prod(recv_shape)
+    rows = []
+    for i, (peer, source) in enumerate(zip(to, sources, strict=True)):
+        input_sizes = [sent * is_rank(peer, r) for r in range(group.size)]
+        output_sizes = [received * is_rank(source, r) for r in range(group.size)]
+        got = all_to_all(x[i].reshape(-1), input_sizes, output_sizes, group=group)
+        rows.append(got.view(tuple(recv_shape)))
+    return torch.stack(rows)
 
 
 def _none_of(x: Tensor, shape: Sequence[int]) -> Tensor:

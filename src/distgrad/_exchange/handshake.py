@@ -451,7 +451,13 @@ def share(values: Sequence[int], group: Group, desc: str = "a distgrad call") ->
     """
     if group.pg is None or group.size == 1:
         return [list(values)]
-    mine = torch.tensor([list(values)], dtype=torch.int64, device=metadata_device(group))
+    device = metadata_device(group)
+    if group.rank_is_data:  # values that differ between the ranks simulated (simulate=True):
+        # made by torch from each rank's value, not by torch.tensor from one Python int
+        each = [torch.full((), v, dtype=torch.int64, device=device) for v in values]
+        mine = torch.stack(each)[None]
+    else:
+        mine = torch.tensor([list(values)], dtype=torch.int64, device=device)
     # A collective, not point-to-point pairs: pairs are faster alone (0.20 ms against 0.30 ms
     # on 2 ranks) but slower as the first exchange of a training step (1.0-1.8 ms against
     # 0.6-0.9 ms median, with more multi-millisecond stalls).

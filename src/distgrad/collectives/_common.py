@@ -63,7 +63,7 @@ def extent(x: object, dim: int) -> int:
     """``x.shape[dim]``, or 0 when ``x`` is not a tensor or has no such dim."""
     if not isinstance(x, Tensor) or not -x.dim() <= dim < max(x.dim(), 1) or x.dim() == 0:
         return 0
-    return int(x.shape[dim])
+    return x.shape[dim]  # (not int(): a per-rank extent under simulate=True stays one)
 
 
 def anchor(x: Tensor | None, required: bool, device: torch.device | None = None) -> Tensor | None:

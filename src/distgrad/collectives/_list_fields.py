@@ -14,6 +14,7 @@ from typing import Any, Literal, Protocol
 
 from torch import Tensor
 
+from distgrad._exchange.group import own_rows
 from distgrad.collectives import _common as c
 from distgrad.collectives._fields import Args
 
@@ -76,7 +77,7 @@ class Sizes:
                 f"{got}; or pass neither"
             )
         mine = c.extent(args.x, dim)
-        if self.rule in ("own", "parts") and value[rank] != mine:
+        if self.rule in ("own", "parts") and own_rows(value, rank) != mine:
             entry = f"{self.name}[{rank}] must be {mine}"
             along = f"the entries of this rank's {args.tensor} along dim {dim}"
             return None, f"{entry}, {along}, got {value[rank]}"

@@ -49,7 +49,7 @@ from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
 
 from distgrad._exchange import ops
-from distgrad._exchange.group import Group
+from distgrad._exchange.group import Group, own_rows
 
 __all__ = ["KINDS", "ring_clip", "ring_reduce"]
 
@@ -67,6 +67,10 @@ class _Plan:
     block: int
     kind: str
     mask_self: bool
+
+    def rows_of(self, rank: int) -> int:
+        """Rank ``rank``'s key rows (arithmetic on a per-rank rank: ``own_rows``)."""
+        return own_rows(self.rows, rank)
 
     def source(self, step: int) -> int:
         """The rank whose keys this rank holds after ``step`` shifts."""
@@ -138,7 +142,7 @@ def _reduce_forward(a: Tensor, k: Tensor, scale: Tensor, bias: Tensor, plan: _Pl
     for step in range(plan.right_steps + 1):
         moving = _travel(copies, step + 1, plan) if step < plan.right_steps else None
         for keys, owner in held:
-            part = _forward_block(a, keys[: plan.rows[owner]], scale, bias, plan, step == 0)
+            part = _forward_block(a, keys[: plan.rows_of(owner)], scale, bias, plan, step == 0)
             out = torch.logaddexp(out, part) if plan.kind == "lse" else out + part
         if moving is not None:
             copies = moving.wait()
@@ -207,7 +211,7 @@ def _reduce_backward(
         for side, held in zip(_SIDES, copies, strict=False):
             last[side] = held
             owner = plan.owner(side, step)
-            _backward_block(a, held, plan.rows[owner], scale, bias, out, grad, plan, False, sums)
+            _backward_block(a, held, plan.rows_of(owner), scale, bias, out, grad, plan, False, sums)
     dk = copies[0][: len(k), dim:]
     if g.size > 1:  # each travelled accumulator goes home; this rank's one or two come back
         steps = {"right": plan.right_steps, "left": plan.left_steps}
@@ -277,7 +281,7 @@ def _clip_forward(x: Tensor, y: Tensor, scale: Tensor, plan: _Plan) -> tuple[Ten
     cur = torch.cat([F.pad(y, (0, 0, 0, width - len(y))), y.new_full((width, 1), -math.inf)], 1)
     row = x.new_full((len(x),), -math.inf)
     for step in range(g.size):
-        rows = plan.rows[plan.source(step)]
+        rows = plan.rows_of(plan.source(step))
         keys, col = cur[:rows, :dim], cur[:rows, dim]
         for start in range(0, rows, b):
             logits = (x @ keys[start : start + b].T).mul_(scale)  # [n, b]
@@ -304,7 +308,7 @@ def _clip_backward(
     parts = [y, torch.zeros_like(y), col_lse[:, None], g_col[:, None]]
     cur = torch.cat([F.pad(p, (0, 0, 0, pad)) for p in parts], 1)
     for step in range(g.size):
-        rows = plan.rows[plan.source(step)]
+        rows = plan.rows_of(plan.source(step))
         keys, acc = cur[:rows, :dim], cur[:rows, dim : 2 * dim]
         col, g_c = cur[:rows, 2 * dim], cur[:rows, 2 * dim + 1]
         for start in range(0, rows, b):

@@ -33,7 +33,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
+import sys
 import threading
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -64,6 +67,7 @@ class _Run:
     rank: int
     world_size: int
     answered: bool = False  # a per-rank int was answered with rank ``rank``'s value
+    where: str = ""  # the line of code that first needed one (file:line in function)
     calls: list[tuple[str, list[Tensor | None]]] = field(default_factory=list)
 
 
@@ -147,6 +151,12 @@ def _one_run(body: Callable[[], list[_R]], run: _Run, who: str) -> tuple[_Run, l
                     "a point-to-point send or receive (LocalTensorMode simulates those only "
                     "with threads per rank, LocalRunnerMode)"
                 ) from exc
+            if str(exc) == "NYI":  # torch: an op with no rule for per-rank sizes
+                raise _Refused(
+                    "torch cannot run an op on sizes that differ between the ranks simulated "
+                    "(NYI; F.cross_entropy's nll_loss is one: write it as log_softmax and a "
+                    f"pick){_where(',', exc.__traceback__)}"
+                ) from exc
             if run.answered:
                 raise _path_failed(run, exc) from exc
             raise
@@ -167,7 +177,7 @@ def _path_failed(run: _Run, exc: BaseException) -> _Refused:
     rank's data cannot take that path (uneven shards), so no answer, not the user's error."""
     return _Refused(
         f"the ranks take different Python paths (a per-rank value was needed as one Python "
-        f"value), and following rank {run.rank}'s path on every rank's data failed: "
+        f"value{run.where}), and following rank {run.rank}'s path on every rank's data failed: "
         f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     )
 
@@ -179,8 +189,9 @@ def _check_runs(runs: Sequence[_Run]) -> None:
     for run in runs:
         if [c[0] for c in run.calls] != [c[0] for c in runs[0].calls]:
             raise _Refused(
-                f"the ranks take different paths through the code: rank {run.rank}'s "
-                f"collectives ({_listing(run)}) are not rank 0's ({_listing(runs[0])})"
+                f"the ranks take different paths through the code{runs[0].where}: rank "
+                f"{run.rank}'s collectives ({_listing(run)}) are not rank 0's "
+                f"({_listing(runs[0])})"
             )
     for index, (what, _) in enumerate(runs[0].calls):
         for run in runs:
@@ -188,10 +199,47 @@ def _check_runs(runs: Sequence[_Run]) -> None:
                 truth = own[slot].calls[index][1][slot]
                 if not _same(sent, truth):
                     raise _Refused(
-                        f"the ranks take different paths through the code: collective "
+                        f"the ranks take different paths through the code{runs[0].where}: "
+                        "collective "
                         f"{index + 1} ({what}) gets other data from rank {slot} when every "
                         f"rank follows rank {run.rank}'s Python path than on rank {slot}'s own"
                     )
+
+
+# Where SymInt's Python operators live: a Python ``a == b`` on a per-rank int passes through
+# them on its way to the node.
+_OPERATORS = (
+    os.path.join(os.path.dirname(torch.__file__), "__init__.py"),
+    os.path.join(os.path.dirname(torch.__file__), "fx", "experimental", "sym_node.py"),
+)
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+
+
+def _from_torch(caller: Any) -> bool:
+    """Whether torch itself compares a per-rank size (its C++ autograd engine checking a
+    gradient's shape, called from the Python frame that started it), not Python code: a
+    Python comparison reaches the node through SymInt's operators, called from its own line."""
+    while caller is not None and caller.f_code.co_filename in _OPERATORS:
+        caller = caller.f_back
+    return caller is not None and caller.f_code.co_filename.startswith(_TORCH_DIR)
+
+
+def _answered(run: _Run) -> None:
+    """Note that ``run`` answered a per-rank value with its rank's, and, the first time, the
+    line that asked, for the message."""
+    if not run.answered:
+        run.where = _where(", first")
+    run.answered = True
+
+
+def _where(lead: str = "", stack: Any = None) -> str:
+    """``{lead} at file:line in function``: the innermost frame outside torch and this module
+    (of the current stack, or of an exception's ``stack``), or nothing."""
+    frames = traceback.extract_stack()[:-2] if stack is None else traceback.extract_tb(stack)
+    for frame in reversed(frames):
+        if frame.filename != __file__ and f"{os.sep}torch{os.sep}" not in frame.filename:
+            return f"{lead} at {os.path.basename(frame.filename)}:{frame.lineno} in {frame.name}"
+    return ""
 
 
 def _listing(run: _Run) -> str:
@@ -259,7 +307,9 @@ def _mode_class() -> type:
         ) -> Any:
             kwargs = kwargs or {}
             if not self._disable:
-                if func.namespace == "c10d":
+                if func.namespace == "c10d" or (
+                    func.namespace == "_c10d_functional" and func not in _WAITS
+                ):
                     return _collective(super().__torch_dispatch__, func, types, args, kwargs)
                 flat = _pytree.tree_leaves((args, kwargs))
                 if any(isinstance(a, torch.Generator) for a in flat):
@@ -309,11 +359,15 @@ def _drawn_alike(func: Any, args: Any, kwargs: Any, flat: list[Any]) -> Any:
 
 # The arguments each c10d op reads (the rest it writes); a root's only at the root.
 _READS = {"tensors", "input_tensor", "input", "input_tensors"}
-_AT_ROOT = {"broadcast_": "tensors", "scatter_": "input_tensors"}
+_AT_ROOT = {"broadcast_": "tensors", "scatter_": "input_tensors", "broadcast": "input"}
+# A functional collective's wait moves nothing (the collective before it did).
+_WAITS = (torch.ops._c10d_functional.wait_tensor.default,)
 
 
 def _collective(dispatch: Callable[..., Any], func: Any, types: Any, args: Any, kwargs: Any) -> Any:
-    """Run a c10d collective among the slots, recording what it is and what each slot sends.
+    """Run a collective among the slots (c10d's, or a functional one: a simulated group's
+    exchanges take their functional form, ``Group.rank_is_data``), recording what it is and
+    what each slot sends.
 
     A plain tensor is the same in every slot (one Python value serves them all): it is lifted
     to a LocalTensor of equal slots, and, if written, gets the result back when that is again
@@ -399,6 +453,10 @@ def _sent(func: Any, named: dict[str, Any], world: int) -> list[Tensor | None]:
 
 
 def _root(named: dict[str, Any]) -> int:
+    if "src" in named:  # a functional broadcast: a group rank, the group by name
+        by_name = dist.distributed_c10d._resolve_process_group  # type: ignore[attr-defined]
+        members = dist.get_process_group_ranks(by_name(named["group_name"]))
+        return int(members[named["src"]])
     root = named.get("root_rank", 0)
     group = named.get("process_group")
     if group is not None:
@@ -498,19 +556,19 @@ def _answered_local_ints(node: type) -> Callable[[], None]:
     def answer(self: Any) -> int:
         if _run is None:
             raise _Refused(f"a per-rank int, {self}, was needed as one Python int")
-        _run.answered = True
+        _answered(_run)
         return int(self._local_ints[_run.rank])
 
     def compare(name: str, how: Callable[[int, int], bool]) -> Callable[..., Any]:
         def method(self: Any, other: Any) -> Any:
-            if _inside_torch:  # torch's own bookkeeping (a LocalTensor's strides): its rule
+            if _inside_torch or _from_torch(sys._getframe(1)):  # torch's bookkeeping: its rule
                 return saved[name](self, other)  # type: ignore[misc]
             answers = {r: how(v, lt._int_on_rank(other, r)) for r, v in self._local_ints.items()}
             if len(set(answers.values())) == 1:
                 return torch._C._get_constant_bool_symnode(answers[0])
             if _run is None:
                 raise _Refused(f"a comparison of the per-rank int {self} differs between ranks")
-            _run.answered = True
+            _answered(_run)
             return torch._C._get_constant_bool_symnode(answers[_run.rank])
 
         return method

@@ -173,8 +173,8 @@ def check_against_single_process(
     ``simulate=True`` runs every rank in this process (torch's ``LocalTensorMode`` over a
     fake process group) instead of starting processes: the same report, or
     :class:`~distgrad.errors.CheckArgumentError` for code that cannot be simulated truthfully
-    (uneven shards, a Python decision whose per-rank runs disagree, an op LocalTensorMode has
-    no rule for); docs/checker.md lists what simulates.
+    (a Python decision whose per-rank runs disagree, an op LocalTensorMode has no rule for);
+    docs/checker.md lists what simulates.
 
     Returns a :class:`GradReport`; with ``raise_on_mismatch=True`` a mismatch raises
     :class:`~distgrad.errors.GradientMismatchError` with the report's table and diagnosis.
@@ -191,12 +191,6 @@ def check_against_single_process(
     _check_binding(fn, names, by_name, model is not None)
     sizes = _shard_sizes(tensors, shard_dim, shard_sizes, world_size)
     tol = Tolerance.default(tensors, rtol, atol)
-    if simulate and len(set(sizes)) > 1:
-        raise CheckArgumentError(
-            f"check_against_single_process: simulate=True takes even shards only, got {sizes}: "
-            "distgrad's exchanges read each rank's row count as one Python int "
-            f"(sizes[group.rank]), which one program cannot hold for every rank; {_simulate.DROP}"
-        )
     reference_model = model() if model is not None else None
     state = state_of(reference_model) if reference_model is not None else None
     shards = tuple(
