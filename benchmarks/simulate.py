@@ -137,7 +137,7 @@ def _world() -> int:
 
 
 def _weights(x: torch.Tensor) -> torch.Tensor:
-    return _W[: x.shape[0], : x.shape[1]]
+    return _W.narrow(0, 0, x.shape[0]).narrow(1, 0, x.shape[1])  # (x[:n] cannot simulate)
 
 
 def p_all_gather(x: torch.Tensor) -> torch.Tensor:
@@ -167,7 +167,8 @@ def p_all_reduce_max(x: torch.Tensor) -> torch.Tensor:
 
 def p_reduce_scatter(x: torch.Tensor) -> torch.Tensor:
     full = dg.all_gather(x)
-    return (dg.reduce_scatter(full * _weights(full)) * x).sum()
+    sizes = dg.all_gather(torch.full((1,), x.shape[0])).tolist()
+    return (dg.reduce_scatter(full * _weights(full), sizes=sizes) * x).sum()
 
 
 def p_all_to_all(x: torch.Tensor) -> torch.Tensor:
@@ -194,7 +195,8 @@ def p_scatter(x: torch.Tensor) -> torch.Tensor:
 
 def p_permute(x: torch.Tensor) -> torch.Tensor:
     perm = [(r + 1) % _world() for r in range(_world())]
-    return (dg.permute(x, perm) * _weights(x)).sum()
+    out = dg.permute(x, perm)  # the source's rows
+    return (out * _weights(out)).sum()
 
 
 def p_sub_group(x: torch.Tensor) -> torch.Tensor:
@@ -214,31 +216,101 @@ def p_info_nce_ring(x: torch.Tensor) -> torch.Tensor:
     return dg.losses.info_nce(x, x.flip(1), block_size=2)
 
 
+def p_clip_loss(x: torch.Tensor) -> torch.Tensor:
+    return dg.losses.clip_loss(x, x.flip(1))
+
+
+def p_siglip_loss(x: torch.Tensor) -> torch.Tensor:
+    return dg.losses.siglip_loss(x, x.flip(1))
+
+
+def p_nt_xent(x: torch.Tensor) -> torch.Tensor:
+    return dg.losses.nt_xent(x, x.flip(1))
+
+
+def p_barlow_twins(x: torch.Tensor) -> torch.Tensor:
+    return dg.losses.barlow_twins(x, x.flip(1))
+
+
+def p_clip_ring(x: torch.Tensor) -> torch.Tensor:
+    return dg.losses.clip_loss(x, x.flip(1), block_size=2)
+
+
+def p_cross_entropy(x: torch.Tensor) -> torch.Tensor:
+    """A user's InfoNCE with torch's fused cross-entropy (the README's, for uneven shards)."""
+    keys = dg.all_gather(x.flip(1))
+    offset = dg.all_gather(torch.full((1,), x.shape[0]))[: _rank()].sum()
+    return F.cross_entropy(x @ keys.T, torch.arange(x.shape[0]) + offset, reduction="sum")
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+# (pattern, world size, shards): None is the checker's even split of 8 rows.
+SUPPORT = [
+    (p_all_gather, 2, None),
+    (p_all_gather, 3, [5, 0, 3]),
+    (p_all_gather_async, 2, None),
+    (p_reduce_scatter, 3, [4, 1, 3]),
+    (p_all_to_all, 2, None),
+    (p_broadcast, 2, None),
+    (p_reduce, 2, None),
+    (p_gather, 3, [4, 1, 3]),
+    (p_scatter, 2, None),
+    (p_permute, 3, [4, 1, 3]),
+    (p_all_reduce_sum, 2, None),
+    (p_all_reduce_avg, 2, None),
+    (p_all_reduce_max, 2, None),
+    (p_sub_group, 4, None),
+    (p_info_nce_loss, 3, [5, 0, 3]),
+    (p_clip_loss, 3, [5, 0, 3]),
+    (p_siglip_loss, 3, [5, 0, 3]),
+    (p_nt_xent, 3, [5, 0, 3]),
+    (p_barlow_twins, 3, [5, 0, 3]),
+    (p_info_nce_ring, 4, None),
+    (p_clip_ring, 4, None),
+    (p_clip_ring, 3, [5, 0, 3]),
+    (p_cross_entropy, 2, None),
+    (p_cross_entropy, 3, [5, 0, 3]),
+]
+
+
 def support() -> None:
+    """Each pattern checked simulated and on processes: the same verdict, or why refused.
+    Writes benchmarks/results/simulate_support.md (docs/checker.md's table reads it)."""
     import warnings
 
     warnings.simplefilter("ignore")
     x = {"x": torch.randn(8, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))}
-    cases = [p_all_gather, p_all_gather_async, p_reduce_scatter, p_all_to_all, p_broadcast]
-    cases += [p_reduce, p_gather, p_scatter, p_permute, p_info_nce_loss, p_info_nce_ring]
-    cases += [p_all_reduce_sum, p_all_reduce_avg, p_all_reduce_max, p_sub_group]
-    for fn in cases:
-        world = 4 if fn is p_sub_group else 2
+    rows = [
+        "# What simulates",
+        "",
+        f"`benchmarks/simulate.py --support`, torch {torch.__version__}: each pattern checked "
+        "with `simulate=True` and on processes (8 rows of float64, the shards shown).",
+        "",
+        "| pattern | ranks | shards | simulated |",
+        "| --- | --- | --- | --- |",
+    ]
+    for fn, world, shards in SUPPORT:
+        head = f"| `{fn.__name__[2:]}` | {world} | {shards or 'even'} |"
+        kwargs = {"world_size": world, "shard_sizes": shards}
         try:
-            simulated = dg.testing.check_against_single_process(
-                fn, x, world_size=world, simulate=True
-            )
+            simulated = dg.testing.check_against_single_process(fn, x, simulate=True, **kwargs)
         except Exception as exc:
-            print(f"| `{fn.__name__[2:]}` | refused: {str(exc).split(': ', 2)[-1][:160]} |")
+            rows.append(f"{head} refused: {str(exc).split(': ', 2)[-1][:200]} |")
             continue
         try:
-            processes = dg.testing.check_against_single_process(fn, x, world_size=world)
+            processes = dg.testing.check_against_single_process(fn, x, **kwargs)
         except Exception as exc:
-            print(f"| `{fn.__name__[2:]}` | processes raised {type(exc).__name__} |")
+            rows.append(f"{head} processes raised {type(exc).__name__} |")
             continue
         same = (simulated.ok, simulated.diagnoses) == (processes.ok, processes.diagnoses)
         verdict = "AGREE" if simulated.ok else "MISMATCH"
-        print(f"| `{fn.__name__[2:]}` | {'same' if same else 'DIFFERENT'} verdict ({verdict}) |")
+        rows.append(f"{head} {'same' if same else 'DIFFERENT'} verdict ({verdict}) |")
+    text = "\n".join(rows) + "\n"
+    (ROOT / "benchmarks" / "results" / "simulate_support.md").write_text(text)
+    print(text)
 
 
 if __name__ == "__main__" and "--support" in sys.argv:

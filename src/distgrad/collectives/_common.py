@@ -5,7 +5,6 @@ Argument checks live in ``_fields`` (each argument's own) and ``_signature`` (ac
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Literal
 
 import torch
@@ -26,7 +25,6 @@ __all__ = [
     "from_exchange",
     "from_front",
     "near_even",
-    "offsets",
     "op_name",
     "output",
     "to_exchange",
@@ -155,10 +153,3 @@ def near_even(total: int, parts: int) -> list[int]:
     """Split ``total`` into ``parts`` sizes that differ by at most one, larger ones first."""
     base, extra = divmod(total, parts)
     return [base + (1 if i < extra else 0) for i in range(parts)]
-
-
-def offsets(sizes: Sequence[int]) -> list[int]:
-    out = [0]
-    for s in sizes:
-        out.append(out[-1] + s)
-    return out

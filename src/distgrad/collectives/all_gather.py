@@ -1,7 +1,7 @@
 """all_gather and reduce_scatter: under the sum objective, each one's backward is the other.
 
 Shapes: ``sizes[i]`` is rank i's extent along ``dim``; the gathered tensor stacks the ranks'
-slices in rank order, so rank i's slice starts at ``offsets(sizes)[i]``.
+slices in rank order, so rank i's slice starts at ``sum(sizes[:i])``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from torch import Tensor
 
 from distgrad._exchange import ops
 from distgrad._exchange.async_op import offers_async_op
-from distgrad._exchange.group import Group
+from distgrad._exchange.group import Group, first_row, own_rows
 from distgrad._mesh import GroupLike
 from distgrad.collectives import _common as c
 from distgrad.collectives._differentiable import Adjoint, Collective, Plan, apply
@@ -58,8 +58,8 @@ class _AllGather(Collective):
     @staticmethod
     def replicated(grad: Tensor, plan: _Plan) -> Tensor:
         # Every rank holds the same gradient of one shared loss: keep this rank's slice.
-        start = c.offsets(plan.sizes)[plan.group.rank]
-        return grad.narrow(plan.dim, start, plan.sizes[plan.group.rank])
+        rank = plan.group.rank
+        return grad.narrow(plan.dim, first_row(plan.sizes, rank), own_rows(plan.sizes, rank))
 
 
 class _ReduceScatterSum(Collective):
@@ -98,7 +98,7 @@ def apply_reduce_scatter(
     # prod, max, min: every rank receives the N slices of its part and reduces them locally, so
     # the gradient is the local reduction's (ties split evenly, zeros exact) and all_to_all
     # (self-adjoint) routes it back to the owners.
-    mine = sizes[group.rank]
+    mine = own_rows(sizes, group.rank)
     moved = c.to_front(x, dim)
     slices = apply_all_to_all(moved, group, sizes, (mine,) * group.size, 0)
     stacked = slices.view(group.size, mine, *moved.shape[1:])

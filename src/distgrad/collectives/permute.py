@@ -9,7 +9,7 @@ from torch import Tensor
 
 from distgrad._exchange import ops
 from distgrad._exchange.async_op import offers_async_op
-from distgrad._exchange.group import Group
+from distgrad._exchange.group import Group, own_rows
 from distgrad._exchange.handshake import show
 from distgrad._mesh import GroupLike
 from distgrad.collectives import _common as c
@@ -96,7 +96,11 @@ def permute(
             _check_recv_shape(
                 desc, g, peer.rank, peer.lists[1], calls[order.index(peer.rank)].shape
             )
-        wanted = calls[order.index(g.rank)].shape
+        # The shape the source (the rank that maps here) sends, read with the rank as data
+        # (own_rows: one per-rank shape under simulate=True).
+        source = own_rows([order.index(r) for r in range(g.size)], g.rank)
+        dims = range(len(calls[0].shape))
+        wanted = tuple(own_rows([c.shape[d] for c in calls], source) for d in dims)
     elif wanted is None:  # inside torch.compile: every rank's shape taken to be this rank's
         assume_alike(desc, g, list(x.shape), "recv_shape=")
         wanted = tuple(x.shape)

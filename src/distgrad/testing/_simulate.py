@@ -165,6 +165,12 @@ def _one_run(body: Callable[[], list[_R]], run: _Run, who: str) -> tuple[_Run, l
         except NotImplementedError as exc:  # LocalTensorMode has no rule for this op
             raise _Refused(f"LocalTensorMode does not simulate it ({exc})") from exc
         except Exception as exc:  # after an answer, maybe only the other slots' data failed
+            if "statically_known_true" in str(exc):  # torch: a slice by a per-rank size
+                raise _Refused(
+                    "torch cannot index a tensor by a size that differs between the ranks "
+                    f"simulated (x[:n], x[:, None]: write x.narrow(0, 0, n), x.unsqueeze(1))"
+                    f"{_where(',', exc.__traceback__)}"
+                ) from exc
             if run.answered:
                 raise _path_failed(run, exc) from exc
             raise
