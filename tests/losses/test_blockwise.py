@@ -22,7 +22,7 @@ from distgrad._exchange.group import resolve
 from distgrad.losses import contrastive
 from distgrad.losses._blockwise import ring_clip, ring_reduce
 from distgrad.testing import check_against_single_process, run_on_ranks
-from tests._support import FLOAT64, seeded
+from tests._support import FLOAT64, rows_of, seeded
 from tests.losses import cases
 
 SHARDINGS = [[5], [4, 3], [3, 0, 2], [1, 3, 2, 1]]
@@ -131,9 +131,9 @@ def test_blockwise_loss_equals_dense_loss_in_one_process(loss: Callable[..., Ten
 def _sharded_blockwise(rank: int, world_size: int, name: str, sizes: list[int]) -> list[Tensor]:
     loss = getattr(cases, name)
     views = _views(sum(sizes))
-    rows = slice(sum(sizes[:rank]), sum(sizes[: rank + 1]))
     model = cases.Learnable()
-    value = loss(model, views["a"][rows], views["b"][rows], block_size=2)
+    a, b = (rows_of(views[v], sizes, rank) for v in "ab")  # rank as data: also simulated
+    value = loss(model, a, b, block_size=2)
     value.backward()
     return [value.detach()] + [
         torch.zeros(()) if p.grad is None else p.grad for p in model.parameters()
@@ -152,6 +152,29 @@ def test_blockwise_loss_on_ranks_equals_dense_loss_in_one_process(
     value.backward()
     for sizes in ([4, 3], [3, 0, 4], [1, 3, 2, 1]):  # 7 rows, as the reference
         per_rank = run_on_ranks(_sharded_blockwise, len(sizes), args=(loss.__name__, sizes))
+        for result in per_rank:
+            torch.testing.assert_close(result[0], value.detach(), **FLOAT64)
+        for i, q in enumerate(reference.parameters(), start=1):
+            averaged = sum(r[i] for r in per_rank) / len(sizes)
+            expected = torch.zeros(()) if q.grad is None else q.grad
+            torch.testing.assert_close(averaged, expected, **FLOAT64, check_dtype=False)
+
+
+@pytest.mark.parametrize("loss", BLOCKWISE, ids=lambda f: f.__name__)
+def test_blockwise_loss_simulated_equals_dense_loss_in_one_process(
+    loss: Callable[..., Tensor],
+) -> None:
+    """The same, every rank simulated in this process (``run_on_ranks(simulate=True)``), on
+    even shards of 2 to 8 ranks: the ring kernel loops over the blocks of each rank's own
+    rows, a Python path per rank, so uneven shards are refused (tests/testing/test_simulate.py)."""
+    views = _views(8)
+    reference = cases.Learnable()
+    value = loss(reference, views["a"], views["b"])
+    value.backward()
+    for sizes in ([4, 4], [2, 2, 2, 2], [1] * 8):
+        per_rank = run_on_ranks(
+            _sharded_blockwise, len(sizes), args=(loss.__name__, sizes), simulate=True
+        )
         for result in per_rank:
             torch.testing.assert_close(result[0], value.detach(), **FLOAT64)
         for i, q in enumerate(reference.parameters(), start=1):

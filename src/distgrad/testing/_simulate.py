@@ -320,22 +320,28 @@ def _mode_class() -> type:
                 flat = _pytree.tree_leaves((args, kwargs))
                 if any(isinstance(a, torch.Generator) for a in flat):
                     return _drawn_alike(func, args, kwargs, flat)
-                if not any(isinstance(a, lt.LocalTensor) for a in flat) and any(
-                    isinstance(a, torch.SymInt) and isinstance(a.node, lt.LocalIntNode)
-                    for a in flat
+                if not any(isinstance(a, lt.LocalTensor) for a in flat) and (
+                    func.overloadpacket in _LIKE
+                    or any(
+                        isinstance(a, torch.SymInt) and isinstance(a.node, lt.LocalIntNode)
+                        for a in flat
+                    )
                 ):
                     # A plain tensor and a per-rank int (``sizes[:rank]``): per slot, not
-                    # with the run's rank for every slot, as LocalTensorMode would.
+                    # with the run's rank for every slot, as LocalTensorMode would. A new
+                    # tensor like a plain one (an accumulator, ``zeros_like(scale)``): one
+                    # per rank, as torch.zeros(...) is, so each rank's sums can go in.
                     return lt._for_each_rank_run_func(func, self.ranks, args, kwargs, alias=False)
                 first = args[0] if args else None
                 if (
                     type(first) in (Tensor, torch.nn.Parameter)
+                    and len(self.ranks) > 1  # (one rank's value fits a plain tensor)
                     and lt._is_inplace_op(func)
                     and any(isinstance(a, lt.LocalTensor) for a in flat)
                 ):
                     raise _Refused(
                         f"{func} writes each rank's value into one tensor shared by every "
-                        "rank (made outside the simulation, or from Python data)"
+                        f"rank (made outside the simulation, or from Python data){_where(',')}"
                     )
             with _torch_bookkeeping():
                 return super().__torch_dispatch__(func, types, args, kwargs)
@@ -362,6 +368,18 @@ def _drawn_alike(func: Any, args: Any, kwargs: Any, flat: list[Any]) -> Any:
         )
     return func(*args, **kwargs)
 
+
+# New tensors shaped like another: made per rank even from a plain tensor (see the dispatch).
+_LIKE = {
+    torch.ops.aten.zeros_like,
+    torch.ops.aten.ones_like,
+    torch.ops.aten.empty_like,
+    torch.ops.aten.full_like,
+    torch.ops.aten.new_zeros,
+    torch.ops.aten.new_ones,
+    torch.ops.aten.new_empty,
+    torch.ops.aten.new_full,
+}
 
 # The arguments each c10d op reads (the rest it writes); a root's only at the root.
 _READS = {"tensors", "input_tensor", "input", "input_tensors"}
