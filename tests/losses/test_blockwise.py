@@ -167,11 +167,21 @@ def test_blockwise_loss_simulated_equals_dense_loss_in_one_process(
     """The same, every rank simulated in this process (``run_on_ranks(simulate=True)``), on
     even shards of 2 to 8 ranks: the ring kernel loops over the blocks of each rank's own
     rows, a Python path per rank, so uneven shards are refused (tests/testing/test_simulate.py)."""
-    views = _views(8)
+    _blockwise_simulated(loss, [[4, 4], [2, 2, 2, 2], [1] * 8])
+
+
+@pytest.mark.slow
+def test_blockwise_clip_simulated_at_64_ranks_equals_dense_loss_in_one_process() -> None:
+    """The ring of 64 ranks, each two rows: 64 shifts each way."""
+    _blockwise_simulated(cases.clip_loss, [[2] * 64])
+
+
+def _blockwise_simulated(loss: Callable[..., Tensor], shardings: list[list[int]]) -> None:
+    views = _views(sum(shardings[0]))
     reference = cases.Learnable()
     value = loss(reference, views["a"], views["b"])
     value.backward()
-    for sizes in ([4, 4], [2, 2, 2, 2], [1] * 8):
+    for sizes in shardings:
         per_rank = run_on_ranks(
             _sharded_blockwise, len(sizes), args=(loss.__name__, sizes), simulate=True
         )
