@@ -30,18 +30,23 @@ def _raw_gather(x: Tensor) -> list[Tensor]:
     return parts
 
 
-class LocalOnlyGather(torch.autograd.Function):
+class _RawGather(torch.autograd.Function):
+    """The forward both wrong gathers share, a correct all_gather of equal rows; each subclass
+    writes its own (wrong) backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        ctx.rows = x.shape[0]
+        return torch.cat(_raw_gather(x))
+
+
+class LocalOnlyGather(_RawGather):
     """The widespread GatherLayer: backward keeps only this rank's slice of its own gradient.
 
     It ignores the gradient that the other ranks' losses send to this rank's rows, so when every
     rank computes the same global loss the gradient is exactly 1/world_size of the true one, and
     for other losses it is wrong by no simple factor.
     """
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor) -> Tensor:
-        ctx.rows = x.shape[0]
-        return torch.cat(_raw_gather(x))
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tensor:
@@ -56,13 +61,8 @@ def overwrite_local_slot(x: Tensor) -> Tensor:
     return torch.cat(parts)
 
 
-class MisroutedGather(torch.autograd.Function):
+class MisroutedGather(_RawGather):
     """Sums every rank's gradient (right) but hands each rank the next rank's rows (wrong)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor) -> Tensor:
-        ctx.rows = x.shape[0]
-        return torch.cat(_raw_gather(x))
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tensor:
