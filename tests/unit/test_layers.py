@@ -1,12 +1,12 @@
 """The whole package's imports point one way: down the layers declared here, and no module
 imports, even inside a function, a module that imports it back (directly or through others).
 ``distgrad.rpc`` is one area of one layer here; tests/rpc/test_layout.py keeps its inside in
-order. Both read the graph with tests/import_graph.py.
+order. Both read the graph with tests/_import_graph.py.
 """
 
 from __future__ import annotations
 
-from tests.import_graph import (
+from tests._import_graph import (
     Graph,
     Layers,
     find_cycle,

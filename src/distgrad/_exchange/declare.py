@@ -31,7 +31,7 @@ carry what a traced graph cannot (the dead-peer watch's ticks, the data guard, s
 autograd formulas stay where they are (the ``autograd.Function`` of each collective, which the
 compiler traces through): one definition of every adjoint for both modes, so a backward's
 exchanges are functional collectives in a compiled graph too.
-``tests/collectives/test_exchanges.py`` checks the declared shape, the traced form (run
+``tests/exchange/test_exchanges.py`` checks the declared shape, the traced form (run
 eagerly: torch's functional collectives run outside a graph too) and the started form against
 the eager steps.
 """

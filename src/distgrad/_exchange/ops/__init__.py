@@ -38,7 +38,7 @@ __all__ = [
     "shift",
 ]
 
-# Every exchange, for the tests that check each one (tests/collectives/test_exchanges.py).
+# Every exchange, for the tests that check each one (tests/exchange/test_exchanges.py).
 EXCHANGES: tuple[Exchange[..., Any], ...] = (
     all_gather,
     reduce_scatter,
