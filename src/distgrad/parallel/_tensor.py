@@ -325,24 +325,56 @@ def row_parallel_linear(
     return y if bias is None else y + bias
 
 
-_Layer = TypeVar("_Layer", bound=nn.Module)
+_Layer = TypeVar("_Layer", bound="_ParallelLinear")
 
 
-def _like(cls: type[_Layer], linear: nn.Linear, group: GroupLike, options: Any) -> _Layer:
-    """A parallel layer ``cls`` of ``linear``'s sizes, bias, device and dtype (uninitialised
-    shards: ``from_linear`` copies them)."""
-    return cls(
-        linear.in_features,
-        linear.out_features,
-        linear.bias is not None,
-        group,
-        device=linear.weight.device,
-        dtype=linear.weight.dtype,
-        **options,
-    )
+class _ParallelLinear(nn.Module):
+    """What both parallel layers hold: this rank's shard of a linear layer (``weight``,
+    ``bias``), every rank's ``splits`` of the split features, the group and the contract."""
+
+    splits: list[int]
+
+    def _hold(
+        self,
+        shard: nn.Linear,
+        group: GroupLike,
+        op: str,
+        sequence_parallel: bool,
+        objective: Objective,
+    ) -> None:
+        self.weight, self.bias = shard.weight, shard.bias
+        self.group: ProcessGroup | None = as_process_group(group, op)
+        self.sequence_parallel, self.objective = sequence_parallel, objective
+
+    @classmethod
+    def from_linear(
+        cls: type[_Layer], linear: nn.Linear, group: GroupLike = None, **options: Any
+    ) -> _Layer:
+        """This rank's shard of ``linear`` (copied), with the same options as the constructor:
+        its rows in a column-parallel layer, its columns (the bias whole) in a row-parallel one.
+        """
+        layer = cls(
+            linear.in_features,
+            linear.out_features,
+            linear.bias is not None,
+            group,
+            device=linear.weight.device,
+            dtype=linear.weight.dtype,
+            **options,
+        )
+        rank = resolve(layer.group).rank
+        start = sum(layer.splits[:rank])
+        own = slice(start, start + layer.splits[rank])
+        with torch.no_grad():
+            layer._copy_shard(linear, own)
+        return layer
+
+    def _copy_shard(self, linear: nn.Linear, own: slice) -> None:
+        """Copy this rank's part of ``linear``; ``own``: its features of the split dim."""
+        raise NotImplementedError
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(_ParallelLinear):
     """The output features of a linear layer split over the ranks: :func:`column_parallel_linear`
     with this rank's ``weight`` ``[H_r, in_features]`` and ``bias`` ``[H_r]`` as parameters.
 
@@ -381,23 +413,14 @@ class ColumnParallelLinear(nn.Module):
         g, self.splits = call.group, list(call["splits"])
         mine = self.splits[g.rank]
         local = nn.Linear(in_features, mine, bias, device=device, dtype=dtype)
-        self.weight, self.bias = local.weight, local.bias
-        self.group: ProcessGroup | None = as_process_group(group, op)
-        self.sequence_parallel, self.objective = sequence_parallel, objective
+        self._hold(local, group, op, sequence_parallel, objective)
         self.gather_output = gather_output
 
-    @classmethod
-    def from_linear(
-        cls, linear: nn.Linear, group: GroupLike = None, **options: Any
-    ) -> ColumnParallelLinear:
-        """This rank's rows of ``linear`` (copied), with the same options as the constructor."""
-        layer = _like(cls, linear, group, options)
-        rows = _own(layer.splits, resolve(layer.group).rank)
-        with torch.no_grad():
-            layer.weight.copy_(linear.weight[rows])
-            if layer.bias is not None and linear.bias is not None:
-                layer.bias.copy_(linear.bias[rows])
-        return layer
+    def _copy_shard(self, linear: nn.Linear, own: slice) -> None:
+        """This rank's rows of ``linear``'s weight and bias."""
+        self.weight.copy_(linear.weight[own])
+        if self.bias is not None and linear.bias is not None:
+            self.bias.copy_(linear.bias[own])
 
     def forward(self, x: Tensor, sizes: Sequence[int] | None = None) -> Tensor:
         """``sizes``: every rank's rows, with ``sequence_parallel`` (else exchanged)."""
@@ -414,7 +437,7 @@ class ColumnParallelLinear(nn.Module):
         )
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_ParallelLinear):
     """The input features of a linear layer split over the ranks: :func:`row_parallel_linear`
     with this rank's ``weight`` ``[out_features, H_r]`` and the whole ``bias`` as parameters.
 
@@ -448,23 +471,14 @@ class RowParallelLinear(nn.Module):
         )
         g, self.splits = call.group, list(call["splits"])
         local = nn.Linear(self.splits[g.rank], out_features, bias, device=device, dtype=dtype)
-        self.weight, self.bias = local.weight, local.bias
-        self.group: ProcessGroup | None = as_process_group(group, op)
-        self.sequence_parallel, self.objective = sequence_parallel, objective
+        self._hold(local, group, op, sequence_parallel, objective)
         self.input_is_parallel = input_is_parallel
 
-    @classmethod
-    def from_linear(
-        cls, linear: nn.Linear, group: GroupLike = None, **options: Any
-    ) -> RowParallelLinear:
-        """This rank's columns of ``linear`` (copied; the bias whole)."""
-        layer = _like(cls, linear, group, options)
-        cols = _own(layer.splits, resolve(layer.group).rank)
-        with torch.no_grad():
-            layer.weight.copy_(linear.weight[:, cols])
-            if layer.bias is not None and linear.bias is not None:
-                layer.bias.copy_(linear.bias)
-        return layer
+    def _copy_shard(self, linear: nn.Linear, own: slice) -> None:
+        """This rank's columns of ``linear``'s weight; the bias whole."""
+        self.weight.copy_(linear.weight[:, own])
+        if self.bias is not None and linear.bias is not None:
+            self.bias.copy_(linear.bias)
 
     def forward(self, x: Tensor, sizes: Sequence[int] | None = None) -> Tensor:
         """``sizes``: every rank's rows, with ``sequence_parallel`` (default an even split)."""
@@ -479,8 +493,3 @@ class RowParallelLinear(nn.Module):
             input_is_parallel=self.input_is_parallel,
             splits=self.splits,
         )
-
-
-def _own(splits: Sequence[int], rank: int) -> slice:
-    start = sum(splits[:rank])
-    return slice(start, start + splits[rank])
