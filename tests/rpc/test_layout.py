@@ -14,7 +14,14 @@ from pathlib import Path
 import pytest
 
 import distgrad.rpc
-from tests._import_graph import Graph, Layers, find_cycle, import_graph, init_named, layer_violations
+from tests._import_graph import (
+    Graph,
+    Layers,
+    find_cycle,
+    import_graph,
+    init_named,
+    layer_violations,
+)
 
 PACKAGE = "distgrad.rpc"
 ROOT = Path(distgrad.rpc.__file__).parent
