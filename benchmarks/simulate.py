@@ -22,6 +22,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -49,10 +50,10 @@ def _readme_inputs() -> dict[str, torch.Tensor]:
     return {"q": q, "k": k}
 
 
-def _python_check(simulate: bool) -> float:
+def _python_check(simulate: bool, world_size: int = 2) -> float:
     started = time.perf_counter()
     report = dg.testing.check_against_single_process(
-        info_nce, _readme_inputs(), world_size=2, simulate=simulate
+        info_nce, _readme_inputs(), world_size=world_size, simulate=simulate
     )
     assert report.ok, str(report)
     return time.perf_counter() - started
@@ -75,7 +76,12 @@ def _cli_check(simulate: bool) -> float:
 def _one_run(rounds: int) -> dict[str, tuple[float, float, float]]:
     """{check: (median ratio, median simulated s, median processes s)}."""
     out = {}
-    for name, timed in (("README example (Python)", _python_check), ("distgrad check", _cli_check)):
+    checks: list[tuple[str, Callable[[bool], float]]] = [
+        ("README example (Python)", _python_check),
+        ("distgrad check", _cli_check),
+        ("README example on 8 ranks (Python)", lambda simulate: _python_check(simulate, 8)),
+    ]
+    for name, timed in checks:
         timed(True), timed(False)  # warm: the forkserver, the imports
         ratios, sims, procs = [], [], []
         for _ in range(rounds):
@@ -106,7 +112,7 @@ def main() -> None:
         "in a shuffled order; a ratio is simulated over processes in the same round "
         "(below 1: the simulation is faster).",
         "",
-        "| check (2 ranks) | run | median ratio | simulated (s) | processes (s) |",
+        "| check (2 ranks unless said) | run | median ratio | simulated (s) | processes (s) |",
         "| --- | --- | --- | --- | --- |",
     ]
     for name in runs[0]:
