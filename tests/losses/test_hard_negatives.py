@@ -31,7 +31,7 @@ from torch import Tensor
 import distgrad as dg
 from distgrad.errors import CollectiveArgumentError, CollectiveMismatchError
 from distgrad.testing import run_on_ranks
-from tests._support import FLOAT64, seeded
+from tests._support import FLOAT64, rows_of, seeded
 from tests.losses import mnrl
 
 DIM, TEMPERATURE = 5, 0.4
@@ -83,8 +83,9 @@ def _weights(world_size: int) -> Tensor:
 
 def _shard(sizes: list[int], rank: int | None, m: int) -> list[Tensor]:
     """Leaves: this rank's rows (all rows for None), and the temperature."""
-    rows = slice(None) if rank is None else slice(sum(sizes[:rank]), sum(sizes[: rank + 1]))
-    q, k, n = (t[rows].clone().requires_grad_(True) for t in _batch(sum(sizes), m))
+    batch = _batch(sum(sizes), m)
+    mine = batch if rank is None else [rows_of(t, sizes, rank) for t in batch]  # rank as data
+    q, k, n = (t.clone().requires_grad_(True) for t in mine)
     return [q, k, n, torch.tensor(TEMPERATURE, dtype=torch.float64, requires_grad=True)]
 
 
@@ -106,10 +107,12 @@ def written_terms(
     return (by_query + by_key) / 2 - positive
 
 
-def _first_order(rank: int, world_size: int, sizes: list[int]) -> list[list[Tensor]]:
-    c = _weights(world_size)[rank]
+def _first_order(
+    rank: int, world_size: int, sizes: list[int], cases: list[int]
+) -> list[list[Tensor]]:
+    c = _weights(world_size).select(0, rank)  # (not [rank]: also simulated)
     found = []
-    for m, directions, partition, block in CASES:
+    for m, directions, partition, block in (CASES[i] for i in cases):
         q, k, n, t = _shard(sizes, rank, m)
         loss = dg.losses.info_nce(
             q,
@@ -131,10 +134,29 @@ def _first_order(rank: int, world_size: int, sizes: list[int]) -> list[list[Tens
 def test_hard_negatives_and_both_directions_equal_the_written_formula(sizes: list[int]) -> None:
     """Value on every rank; queries', keys' and negatives' rows on their owner; the
     temperature's summed over ranks; dense and ring, m = 0 to 3, both partitions."""
-    per_rank = run_on_ranks(_first_order, len(sizes), args=(sizes,))
+    _check_first_order(sizes, list(range(len(CASES))), simulate=False)
+
+
+@pytest.mark.parametrize(
+    "sizes", [[7], [4, 3], [3, 0, 4], [1, 3, 2, 1], [1, 0, 2, 1, 1, 0, 1, 1]], ids=str
+)
+def test_hard_negatives_and_both_directions_simulated(sizes: list[int]) -> None:
+    """The same, every rank simulated in this process: the dense cases on every sharding, the
+    ring's on even shards (its kernel loops over each rank's own blocks: uneven is refused)."""
+    dense = [i for i, case in enumerate(CASES) if case[3] is None]
+    _check_first_order(sizes, dense, simulate=True)
+
+
+def test_hard_negatives_on_the_ring_simulated_on_even_shards() -> None:
+    ring = [i for i, case in enumerate(CASES) if case[3] is not None]
+    _check_first_order([2, 2, 2, 2], ring, simulate=True)
+
+
+def _check_first_order(sizes: list[int], cases: list[int], simulate: bool) -> None:
+    per_rank = run_on_ranks(_first_order, len(sizes), args=(sizes, cases), simulate=simulate)
     w, total = len(sizes), sum(sizes)
     owner = torch.repeat_interleave(_weights(w), torch.tensor(sizes))  # [B]: c of each row
-    for case, (m, directions, partition, block) in enumerate(CASES):
+    for case, (m, directions, partition, block) in enumerate(CASES[i] for i in cases):
         q, k, n, t = _shard(sizes, None, m)
         terms = written_terms(q, k, n, t, directions, partition)
         ((w / total) * (owner * terms).sum()).backward()
