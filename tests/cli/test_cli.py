@@ -95,6 +95,7 @@ def test_demo_runs_and_distgrad_tracks_one_process_while_naive_drifts(tmp_path: 
         assert (tmp_path / "out" / "curves.png").stat().st_size > 1000
 
 
+@pytest.mark.slow  # 7 s, a process of the installed command: CI's slow part runs tests/cli
 def test_check_exits_0_when_the_gradients_agree() -> None:
     result = distgrad("check", f"{EXAMPLE}:info_nce", "--world-size", "2")
     assert result.returncode == 0, result.stdout + result.stderr

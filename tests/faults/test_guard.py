@@ -146,6 +146,7 @@ def _many_guarded_calls(rank: int, world_size: int) -> int:
     return calls
 
 
+@pytest.mark.slow  # 4 s, four ranks; CI's slow part runs this file
 def test_matching_calls_never_trip_the_guard_on_four_ranks() -> None:
     assert run_on_ranks(_many_guarded_calls, 4, timeout=120) == [720] * 4
 

@@ -46,6 +46,7 @@ def _skips_backward(rank: int, world_size: int) -> tuple[float, str]:
     return time.monotonic() - start, str(info.value)
 
 
+@pytest.mark.slow  # 4 s; its area keeps three fast cases; CI's slow part runs it
 def test_a_skipped_backward_times_out_naming_the_op_the_pass_and_the_missing_rank() -> None:
     took, message = _run(_skips_backward)[0]
     assert PG_TIMEOUT_S - 0.5 < took < PG_TIMEOUT_S + MARGIN_S, (took, message)

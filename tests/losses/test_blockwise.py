@@ -146,18 +146,7 @@ def test_blockwise_loss_on_ranks_equals_dense_loss_in_one_process(
 ) -> None:
     """Every rank returns the dense single-process value; the average over ranks of the
     parameter gradients (DDP) equals the dense single-process gradients."""
-    views = _views(7)
-    reference = cases.Learnable()
-    value = loss(reference, views["a"], views["b"])
-    value.backward()
-    for sizes in ([4, 3], [3, 0, 4], [1, 3, 2, 1]):  # 7 rows, as the reference
-        per_rank = run_on_ranks(_sharded_blockwise, len(sizes), args=(loss.__name__, sizes))
-        for result in per_rank:
-            torch.testing.assert_close(result[0], value.detach(), **FLOAT64)
-        for i, q in enumerate(reference.parameters(), start=1):
-            averaged = sum(r[i] for r in per_rank) / len(sizes)
-            expected = torch.zeros(()) if q.grad is None else q.grad
-            torch.testing.assert_close(averaged, expected, **FLOAT64, check_dtype=False)
+    _check_on_ranks(loss, [[4, 3], [3, 0, 4], [1, 3, 2, 1]], simulate=False)
 
 
 @pytest.mark.parametrize("loss", BLOCKWISE, ids=lambda f: f.__name__)
@@ -167,23 +156,26 @@ def test_blockwise_loss_simulated_equals_dense_loss_in_one_process(
     """The same, every rank simulated in this process (``run_on_ranks(simulate=True)``), on
     even shards of 2 to 8 ranks: the ring kernel loops over the blocks of each rank's own
     rows, a Python path per rank, so uneven shards are refused (tests/testing/test_simulate.py)."""
-    _blockwise_simulated(loss, [[4, 4], [2, 2, 2, 2], [1] * 8])
+    _check_on_ranks(loss, [[4, 4], [2, 2, 2, 2], [1] * 8], simulate=True)
 
 
 @pytest.mark.slow
 def test_blockwise_clip_simulated_at_64_ranks_equals_dense_loss_in_one_process() -> None:
     """The ring of 64 ranks, each two rows: 64 shifts each way."""
-    _blockwise_simulated(cases.clip_loss, [[2] * 64])
+    _check_on_ranks(cases.clip_loss, [[2] * 64], simulate=True)
 
 
-def _blockwise_simulated(loss: Callable[..., Tensor], shardings: list[list[int]]) -> None:
+def _check_on_ranks(
+    loss: Callable[..., Tensor], shardings: list[list[int]], simulate: bool
+) -> None:
+    """Each sharding (the same rows in all) against the dense loss in one process."""
     views = _views(sum(shardings[0]))
     reference = cases.Learnable()
     value = loss(reference, views["a"], views["b"])
     value.backward()
     for sizes in shardings:
         per_rank = run_on_ranks(
-            _sharded_blockwise, len(sizes), args=(loss.__name__, sizes), simulate=True
+            _sharded_blockwise, len(sizes), args=(loss.__name__, sizes), simulate=simulate
         )
         for result in per_rank:
             torch.testing.assert_close(result[0], value.detach(), **FLOAT64)

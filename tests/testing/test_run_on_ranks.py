@@ -95,6 +95,7 @@ def _rank_1_fails_late_rank_0_returns(rank: int, world_size: int, delay: float) 
     return "rank 0's view"
 
 
+@pytest.mark.slow  # 5 s; CI's slow part runs this file
 def test_survivors_results_come_back_within_the_grace_period_given() -> None:
     with pytest.raises(RankFailedError) as info:
         run_on_ranks(_rank_1_fails_late_rank_0_returns, 2, args=(3.0,), timeout=30, grace=6.0)
@@ -208,6 +209,7 @@ def _hang_while_leaving_on_rank_0(rank: int, world_size: int) -> int:
     return rank
 
 
+@pytest.mark.slow  # 5 s; CI's slow part runs this file
 def test_a_rank_that_does_not_exit_after_reporting_fails_the_run() -> None:
     started = time.monotonic()
     with pytest.raises(RankFailedError) as info:
