@@ -64,10 +64,15 @@ def _log_parameter(value: float, name: str) -> nn.Parameter:
 
 
 class _LossModule(nn.Module):
-    """What the loss modules share: loading the checkpoints of earlier releases."""
+    """What the loss modules share: the options they pass to the functional loss, and loading
+    the checkpoints of earlier releases."""
 
     #: state_dict names of earlier releases, and today's name of each
     _renamed: ClassVar[dict[str, str]] = {}
+
+    def __init__(self, normalize: bool, group: GroupLike, block_size: BlockSize) -> None:
+        super().__init__()
+        self.normalize, self.group, self.block_size = normalize, group, block_size
 
     def _load_from_state_dict(
         self,
@@ -102,8 +107,7 @@ class _Temperature(_LossModule):
         group: GroupLike,
         block_size: BlockSize,
     ) -> None:
-        super().__init__()
-        self.normalize, self.group, self.block_size = normalize, group, block_size
+        super().__init__(normalize, group, block_size)
         self.log_temperature = _log_parameter(temperature, "temperature")
         self.log_temperature.requires_grad_(learnable)
 
@@ -201,8 +205,7 @@ class CLIPLoss(_LossModule):
         group: GroupLike = None,
         block_size: BlockSize = None,
     ) -> None:
-        super().__init__()
-        self.normalize, self.group, self.block_size = normalize, group, block_size
+        super().__init__(normalize, group, block_size)
         self.max_logit_scale = max_logit_scale
         self.log_logit_scale = _log_parameter(logit_scale, "logit_scale")
 
@@ -241,8 +244,7 @@ class SigLIPLoss(_LossModule):
         group: GroupLike = None,
         block_size: BlockSize = None,
     ) -> None:
-        super().__init__()
-        self.normalize, self.group, self.block_size = normalize, group, block_size
+        super().__init__(normalize, group, block_size)
         self.log_logit_scale = _log_parameter(logit_scale, "logit_scale")
         self.logit_bias = _parameter(float(logit_bias))
 
