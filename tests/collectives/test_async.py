@@ -10,6 +10,8 @@ Semantics asserted (docs/semantics.md, "Overlap: async_op"):
 * the backward's exchange is started the same way: ``torch.autograd.grad`` returns rank 0's
   gradient before rank 1 has begun its backward, and it waits on first use;
 * a gradient that reaches a leaf's ``.grad`` is a plain tensor (``AccumulateGrad`` waits);
+* the choice is the call's, carried in its plan: a call without ``async_op`` blocks, whether
+  its call shape was last called async or it runs inside another op's async scope;
 * a peer that dies while the exchange is in flight is an error at the first use, naming it.
 """
 
@@ -25,6 +27,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 import distgrad as dg
+from distgrad._exchange.async_op import deferred
 from distgrad.errors import RankFailedError
 from distgrad.testing import run_on_ranks
 from tests._support import EXACT
@@ -142,18 +145,29 @@ def test_the_call_and_its_backward_return_before_the_peer_starts() -> None:
         assert len(found) == 10, found
 
 
-def _leaf_grad(rank: int, n: int) -> str:
+def _leaf_grad(rank: int, n: int) -> list[str]:
     warm_up()
     x = torch.ones(4, 3, dtype=torch.float64, requires_grad=True)
     out = dg.all_gather(x, sizes=[4] * n, async_op=True)
     (out * (rank + 1)).sum().backward()
     assert x.grad is not None
     torch.testing.assert_close(x.grad, torch.full_like(x, n * (n + 1) / 2), **EXACT)
-    return type(x.grad).__name__
+    kinds = [type(x.grad).__name__]
+    # The choice is each call's, carried by its plan: one call shape (whose plan is kept after
+    # its first call) called blocking, async, blocking; and a blocking call made while another
+    # op's async scope is open (as a backward's partner op runs) still blocks.
+    for async_op in (False, True, False):
+        y = dg.all_reduce(x.detach(), async_op=async_op)
+        kinds.append(type(y).__name__)
+        torch.testing.assert_close(y, torch.full_like(y, n), **EXACT)
+    with deferred():
+        kinds.append(type(dg.all_reduce(x.detach())).__name__)
+    return kinds
 
 
-def test_a_leaf_gets_a_plain_tensor_as_its_grad() -> None:
-    assert run_on_ranks(_leaf_grad, 2) == ["Tensor", "Tensor"]
+def test_a_leaf_gets_a_plain_tensor_and_the_async_choice_is_each_calls() -> None:
+    expected = ["Tensor", "Tensor", "AsyncTensor", "Tensor", "Tensor"]
+    assert run_on_ranks(_leaf_grad, 2) == [expected, expected]
 
 
 def _peer_dies_in_flight(rank: int, n: int) -> None:

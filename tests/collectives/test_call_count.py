@@ -29,21 +29,22 @@ PACKAGE = os.path.dirname(dg.__file__)
 
 # distgrad's own Python calls per forward+backward on 2 gloo ranks, 32 KB float32, sizes given,
 # the more of the two ranks' counts (a rooted op's root and receivers differ), as measured
-# 2026-11-29 after an exchange's call drove its steps itself (no ExchangeOp layer) and took the
-# async choice from the plan (no thread-local read): 4 fewer per op. Before that: all_gather 54,
-# reduce_scatter 55, all_reduce 45 (after the lean path kept each call shape's plan, option
-# objects were made once and the async flag became a class default); 66, 65 and 49 before
-# those, and 97, 99 and 74 before the lean path.
+# 2026-11-29 after each public op put its async choice in its plan (the forward no longer reads
+# a thread-local): 1 fewer per op. Before: all_gather 50, reduce_scatter 51, all_reduce 41
+# (after an exchange's call drove its steps itself, no ExchangeOp layer: 4 fewer per op); 54,
+# 55 and 45 before that (after the lean path kept each call shape's plan, option objects were
+# made once and the async flag became a class default); 66, 65 and 49 before those, and 97, 99
+# and 74 before the lean path.
 BUDGET = {
-    "all_gather": 50,
-    "reduce_scatter": 51,
-    "all_reduce": 41,
-    "all_to_all": 48,
-    "broadcast": 46,
-    "reduce": 47,
-    "gather": 57,
-    "scatter": 59,
-    "permute": 71,
+    "all_gather": 49,
+    "reduce_scatter": 50,
+    "all_reduce": 40,
+    "all_to_all": 47,
+    "broadcast": 45,
+    "reduce": 46,
+    "gather": 56,
+    "scatter": 58,
+    "permute": 70,
 }
 
 

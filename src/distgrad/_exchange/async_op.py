@@ -37,7 +37,7 @@ __all__ = ["AsyncTensor", "deferred", "deferring", "offers_async_op", "resolved"
 class _State(threading.local):
     # A class default: reading an attribute a thread never set finds it here, where
     # ``getattr(local, name, default)`` raises and catches an AttributeError (0.5 us, at every
-    # collective's forward).
+    # operation on an AsyncTensor).
     on = False
 
 
@@ -47,9 +47,9 @@ _state = _State()
 def deferring() -> bool:
     """Whether an op with ``async_op=True`` is running on this thread (see the module's doc).
 
-    Read by ``AsyncTensor``'s dispatch, and once per call by a collective's forward, whose plan
-    then carries the choice (``Plan.async_op``) to its exchange (the ``in_flight`` form) and
-    to its backward: the exchanges never read it."""
+    Read by ``AsyncTensor``'s dispatch alone. The op path never reads it: a collective's
+    ``async_op`` goes into its plan (``Plan.async_op``), which carries it to the exchange (the
+    ``in_flight`` form) and to the backward."""
     return _state.on
 
 

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import FunctionCtx
 
-from distgrad._exchange.async_op import deferred, deferring
+from distgrad._exchange.async_op import deferred
 from distgrad._exchange.group import Group
 from distgrad._exchange.handshake import debug_enabled
 from distgrad.collectives._common import Objective
@@ -81,11 +81,6 @@ class Collective(torch.autograd.Function):
 
 def _forward_of(op: type[Collective]) -> Any:
     def forward(ctx: FunctionCtx, x: Tensor | None, plan: Plan, anchor: Tensor | None) -> Tensor:
-        # async_op=True: read once, here, from the scope the public op opened
-        # (distgrad._exchange.async_op.offers_async_op); from here the plan carries it, to the
-        # exchange and to the backward (its exchange started the same way).
-        if not torch.compiler.is_compiling() and deferring() and not plan.async_op:
-            plan = replace(plan, async_op=True)
         ctx.plan = plan  # type: ignore[attr-defined]
         ctx.anchor_like = anchor.detach() if anchor is not None else None  # type: ignore[attr-defined]
         return op.run(x, plan)
@@ -123,13 +118,22 @@ def _backward_of(op: type[Collective]) -> Any:
 
 
 def apply(
-    op: type[Collective], x: Tensor | None, plan: Plan, anchor: Tensor | None = None
+    op: type[Collective],
+    x: Tensor | None,
+    plan: Plan,
+    anchor: Tensor | None = None,
+    async_op: bool = False,
 ) -> Tensor:
     """``op.apply(x, plan, anchor)``, typed (torch leaves ``Function.apply`` untyped).
 
     ``anchor``: a leaf that makes autograd record the op on a rank whose ``x`` is None (see
-    ``_common.anchor``); its gradient is zeros.
+    ``_common.anchor``); its gradient is zeros. ``async_op``: the call's choice, put in the
+    plan (a kept plan is shared by both kinds of call), which carries it to the exchange and
+    to the backward. Traced, the call is the blocking one: the compiled graph orders its
+    exchanges itself.
     """
+    if async_op and not torch.compiler.is_compiling():
+        plan = replace(plan, async_op=True)
     if torch.compiler.is_compiling() or _functorch_active():
         out: Tensor = op.apply(x, plan, anchor)  # type: ignore[no-untyped-call]
         return out

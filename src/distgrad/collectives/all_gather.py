@@ -77,30 +77,35 @@ class _ReduceScatterSum(Collective):
 
 
 def apply_all_gather(
-    x: Tensor, group: Group, sizes: tuple[int, ...], dim: int, objective: c.Objective = "sum"
+    x: Tensor,
+    group: Group,
+    sizes: tuple[int, ...],
+    dim: int,
+    objective: c.Objective = "sum",
+    async_op: bool = False,
 ) -> Tensor:
     """all_gather without the checks, for ops built on it (their arguments are checked)."""
     if group.size == 1:
         return x.clone()
-    return apply(_AllGather, x, _Plan(group, sizes, dim, objective=objective))
+    return apply(_AllGather, x, _Plan(group, sizes, dim, objective=objective), async_op=async_op)
 
 
 def apply_reduce_scatter(
-    x: Tensor, group: Group, sizes: tuple[int, ...], dim: int, op: str
+    x: Tensor, group: Group, sizes: tuple[int, ...], dim: int, op: str, async_op: bool = False
 ) -> Tensor:
     """reduce_scatter without the checks, for ops built on it (their arguments are checked)."""
     if op == "avg":
-        return apply_reduce_scatter(x, group, sizes, dim, "sum") / group.size
+        return apply_reduce_scatter(x, group, sizes, dim, "sum", async_op) / group.size
     if group.size == 1:
         return x.clone()
     if op == "sum":
-        return apply(_ReduceScatterSum, x, _Plan(group, sizes, dim))
+        return apply(_ReduceScatterSum, x, _Plan(group, sizes, dim), async_op=async_op)
     # prod, max, min: every rank receives the N slices of its part and reduces them locally, so
     # the gradient is the local reduction's (ties split evenly, zeros exact) and all_to_all
     # (self-adjoint) routes it back to the owners.
     mine = own_rows(sizes, group.rank)
     moved = c.to_front(x, dim)
-    slices = apply_all_to_all(moved, group, sizes, (mine,) * group.size, 0)
+    slices = apply_all_to_all(moved, group, sizes, (mine,) * group.size, 0, async_op)
     stacked = slices.view(group.size, mine, *moved.shape[1:])
     return c.from_front(reduce_stacked(stacked, op), dim)
 
@@ -145,7 +150,8 @@ def all_gather(
     call = ALL_GATHER.bind(group, x, dim=dim, objective=objective, sizes=sizes)
     if call.group.size == 1:
         return x.clone()
-    return apply(_AllGather, x, call.plan or call.keep(_all_gather_plan(call, x, objective)))
+    plan = call.plan or call.keep(_all_gather_plan(call, x, objective))
+    return apply(_AllGather, x, plan, async_op=async_op)
 
 
 def _all_gather_plan(call: Bound, x: Tensor, objective: c.Objective) -> _Plan:
@@ -192,5 +198,5 @@ def reduce_scatter(
     call = REDUCE_SCATTER.bind(group, x, op=op, dim=dim, sizes=sizes)
     if call["op"] == "sum" and call.group.size > 1:
         plan = call.plan or call.keep(_Plan(call.group, call["sizes"], call["dim"]))
-        return apply(_ReduceScatterSum, x, plan)
-    return apply_reduce_scatter(x, call.group, call["sizes"], call["dim"], call["op"])
+        return apply(_ReduceScatterSum, x, plan, async_op=async_op)
+    return apply_reduce_scatter(x, call.group, call["sizes"], call["dim"], call["op"], async_op)

@@ -42,18 +42,20 @@ class _AllReduceSum(Collective):
         return grad  # one shared loss: d loss / d x_r is the incoming gradient itself
 
 
-def apply_all_reduce(x: Tensor, group: Group, op: str, objective: c.Objective = "sum") -> Tensor:
+def apply_all_reduce(
+    x: Tensor, group: Group, op: str, objective: c.Objective = "sum", async_op: bool = False
+) -> Tensor:
     """all_reduce without the checks, for ops built on it (their arguments are checked)."""
     if group.size == 1:
         return x.clone()
     if op == "avg":
-        return apply_all_reduce(x, group, "sum", objective) / group.size
+        return apply_all_reduce(x, group, "sum", objective, async_op) / group.size
     if op == "sum":
-        return apply(_AllReduceSum, x, Plan(group, objective=objective))
+        return apply(_AllReduceSum, x, Plan(group, objective=objective), async_op=async_op)
     flat = x.reshape(-1)
     sizes = tuple(c.near_even(flat.numel(), group.size))
-    part = apply_reduce_scatter(flat, group, sizes, 0, op)
-    return apply_all_gather(part, group, sizes, 0, objective).view(x.shape)
+    part = apply_reduce_scatter(flat, group, sizes, 0, op, async_op)
+    return apply_all_gather(part, group, sizes, 0, objective, async_op).view(x.shape)
 
 
 @offers_async_op
@@ -94,4 +96,4 @@ def all_reduce(
     "Overlap: async_op").
     """
     call = SIGNATURE.bind(group, x, op=op, objective=objective)
-    return apply_all_reduce(x, call.group, call["op"], objective)
+    return apply_all_reduce(x, call.group, call["op"], objective, async_op)

@@ -65,11 +65,12 @@ def apply_all_to_all(
     input_sizes: tuple[int, ...],
     output_sizes: tuple[int, ...],
     dim: int,
+    async_op: bool = False,
 ) -> Tensor:
     """all_to_all without the checks, for ops built on it (their arguments are checked)."""
     if group.size == 1:
         return x.clone()
-    return apply(_AllToAll, x, _Plan(group, input_sizes, output_sizes, dim))
+    return apply(_AllToAll, x, _Plan(group, input_sizes, output_sizes, dim), async_op=async_op)
 
 
 @offers_async_op
@@ -108,7 +109,7 @@ def all_to_all(
     call = SIGNATURE.bind(group, x, dim=dim, input_sizes=input_sizes, output_sizes=output_sizes)
     if call.group.size == 1:
         return x.clone()
-    return apply(_AllToAll, x, call.plan or call.keep(_plan(call)))
+    return apply(_AllToAll, x, call.plan or call.keep(_plan(call)), async_op=async_op)
 
 
 def _plan(call: Bound) -> _Plan:

@@ -98,7 +98,8 @@ def broadcast(
     call = BROADCAST.bind(group, x, src=src, objective=objective)
     if call.group.size == 1:
         return x.clone()
-    return apply(_Broadcast, x, call.plan or call.keep(_Plan(call.group, src, objective=objective)))
+    plan = call.plan or call.keep(_Plan(call.group, src, objective=objective))
+    return apply(_Broadcast, x, plan, async_op=async_op)
 
 
 @offers_async_op
@@ -137,19 +138,20 @@ def reduce(
     if call.group.size == 1:
         return x.clone()
     if call["op"] == "sum":
-        return apply(_ReduceSum, x, call.plan or call.keep(_Plan(call.group, dst)))
-    return _apply_reduce(x, call.group, dst, call["op"])
+        plan = call.plan or call.keep(_Plan(call.group, dst))
+        return apply(_ReduceSum, x, plan, async_op=async_op)
+    return _apply_reduce(x, call.group, dst, call["op"], async_op)
 
 
-def _apply_reduce(x: Tensor, group: Group, dst: int, op: str) -> Tensor:
+def _apply_reduce(x: Tensor, group: Group, dst: int, op: str, async_op: bool) -> Tensor:
     if op == "avg":
-        return _apply_reduce(x, group, dst, "sum") / group.size
+        return _apply_reduce(x, group, dst, "sum", async_op) / group.size
     if op == "sum":
-        return apply(_ReduceSum, x, _Plan(group, dst))
+        return apply(_ReduceSum, x, _Plan(group, dst), async_op=async_op)
     flat = x.reshape(-1)
     sizes = tuple(c.near_even(flat.numel(), group.size))
-    part = apply_reduce_scatter(flat, group, sizes, 0, op)
-    gathered = apply_gather(part, group, sizes, 0, dst)
+    part = apply_reduce_scatter(flat, group, sizes, 0, op, async_op)
+    gathered = apply_gather(part, group, sizes, 0, dst, async_op)
     if group.rank == dst:
         return gathered.view(x.shape)
     # ``gathered`` is empty here; adding its (zero) sum keeps this rank's output connected to

@@ -87,11 +87,14 @@ class _Scatter(Collective):
         return _Gather, plan
 
 
-def apply_gather(x: Tensor, group: Group, sizes: tuple[int, ...], dim: int, dst: int) -> Tensor:
+def apply_gather(
+    x: Tensor, group: Group, sizes: tuple[int, ...], dim: int, dst: int, async_op: bool = False
+) -> Tensor:
     """gather without the checks, for ops built on it (their arguments are checked)."""
     if group.size == 1:
         return x.clone()
-    return apply(_Gather, x, _plan(group, sizes, dim, dst, x.shape, x.dtype, x.device))
+    plan = _plan(group, sizes, dim, dst, x.shape, x.dtype, x.device)
+    return apply(_Gather, x, plan, async_op=async_op)
 
 
 def _plan(
@@ -143,7 +146,7 @@ def gather(
     call = GATHER.bind(group, x, dst=dst, dim=dim, sizes=sizes)
     if call.group.size == 1:
         return x.clone()
-    return apply(_Gather, x, call.plan or call.keep(_gather_plan(call, x, dst)))
+    return apply(_Gather, x, call.plan or call.keep(_gather_plan(call, x, dst)), async_op=async_op)
 
 
 def _gather_plan(call: Bound, x: Tensor, dst: int) -> _Plan:
@@ -194,19 +197,25 @@ def scatter(
         assert isinstance(x, Tensor)
         return x.clone()
     if call.calls is not None:
-        return _scatter_as_the_source_says(x, g, src, dim, call.calls, call.desc)
+        return _scatter_as_the_source_says(x, g, src, dim, call.calls, call.desc, async_op)
     is_src = g.rank == src
     assert mine is not None and isinstance(x, Tensor)
     plan = call.plan or call.keep(_plan(g, mine, moved_dim, src, x.shape, x.dtype, x.device))
     if is_src:
-        return apply(_Scatter, x, plan)
+        return apply(_Scatter, x, plan, async_op=async_op)
     # A receiver's x only describes its part, and requires grad when the source's does: as the
     # anchor it makes autograd record the op here (its own gradient stays None).
-    return apply(_Scatter, None, plan, x if x.requires_grad else None)
+    return apply(_Scatter, None, plan, x if x.requires_grad else None, async_op)
 
 
 def _scatter_as_the_source_says(
-    x: Tensor | None, g: Group, src: int, dim: int, calls: list[RankCall], desc: str
+    x: Tensor | None,
+    g: Group,
+    src: int,
+    dim: int,
+    calls: list[RankCall],
+    desc: str,
+    async_op: bool,
 ) -> Tensor:
     """Scatter with the source's shape, dtype and sizes, learned in the exchange; every rank
     checks every receiver's sizes against the source's."""
@@ -227,6 +236,6 @@ def _scatter_as_the_source_says(
     if not is_src and isinstance(x, Tensor) and x.requires_grad:
         # A receiver's x shaped like its part is its anchor, as in unchecked calls, so that
         # torch.autograd.grad can ask for it (and so run this rank's half of the backward).
-        return apply(_Scatter, None, plan, x)
+        return apply(_Scatter, None, plan, x, async_op)
     required = source.requires_grad and source.grad_mode
-    return apply(_Scatter, mine, plan, c.anchor(mine, required, device))
+    return apply(_Scatter, mine, plan, c.anchor(mine, required, device), async_op)

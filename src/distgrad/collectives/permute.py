@@ -104,7 +104,7 @@ def permute(
     elif wanted is None:  # inside torch.compile: every rank's shape taken to be this rank's
         assume_alike(desc, g, list(x.shape), "recv_shape=")
         wanted = tuple(x.shape)
-    return apply(_Permute, x, _Plan(g, order, wanted, tuple(x.shape)))
+    return apply(_Permute, x, _Plan(g, order, wanted, tuple(x.shape)), async_op=async_op)
 
 
 def _check_recv_shape(
