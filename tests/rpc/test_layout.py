@@ -38,12 +38,14 @@ def _cycle(graph: Graph) -> list[str] | None:
 # Bottom first; a module imports only from lower layers or its own area (the inner lists).
 # docs/rpc.md's table "Inside distgrad.rpc" says what each module holds.
 LAYERS: Layers = [
-    # Pure: who this worker is, the records, how gradients are stored; torch's RPC names.
+    # Pure: who this worker is, the records, how gradients are stored; torch's RPC names;
+    # replacing a function of torch's once.
     [
         [f"{PACKAGE}._identity"],
         [f"{PACKAGE}._records"],
         [f"{PACKAGE}._storage"],
         [f"{PACKAGE}.functions"],
+        [f"{PACKAGE}._patch"],
     ],
     # One dataclass per message; the one door to torch's RPC; DDP/FSDP2 bookkeeping.
     [[f"{PACKAGE}._wire"], [f"{PACKAGE}._transport"], [f"{PACKAGE}._reductions"]],

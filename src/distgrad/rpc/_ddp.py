@@ -27,7 +27,6 @@ into other tensors than the leaves they read.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -37,6 +36,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from distgrad.rpc import _identity
 from distgrad.rpc._context import lookup
+from distgrad.rpc._patch import Patch
 from distgrad.rpc._reductions import Reduction, Reductions
 
 __all__ = ["DDPReduction", "install"]
@@ -54,24 +54,18 @@ class DDPReduction(Reduction):
         self.spans_calls = not module.find_unused_parameters
 
 
-_original_forward: Callable[..., Any] | None = None  # DDP's own forward, once wrapped
-_install_lock = threading.Lock()
+_FORWARD: Patch[Callable[..., Any]] = Patch()  # DDP's own forward, once wrapped
 
 
 def install() -> None:
     """Note DDP forwards made inside distgrad contexts (idempotent; one check per forward)."""
-    global _original_forward
-    if _original_forward is not None:
-        return
-    with _install_lock:
-        if _original_forward is None:
-            _original_forward = DistributedDataParallel.forward
-            DistributedDataParallel.forward = _forward  # type: ignore[method-assign]
+    _FORWARD.install(DistributedDataParallel, "forward", _forward)
 
 
 def _forward(self: DistributedDataParallel, *args: Any, **kwargs: Any) -> Any:
-    assert _original_forward is not None
-    out = _original_forward(self, *args, **kwargs)
+    original = _FORWARD.original
+    assert original is not None
+    out = original(self, *args, **kwargs)
     context_id = _identity.current_context_id()
     if context_id is not None and torch.is_grad_enabled() and self.require_backward_grad_sync:
         ctx = lookup(context_id)

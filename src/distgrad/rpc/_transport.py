@@ -30,6 +30,7 @@ from torch.futures import Future
 
 from distgrad.errors import RpcAutogradError
 from distgrad.rpc import _identity
+from distgrad.rpc._patch import Patch
 
 __all__ = [
     "call_async",
@@ -190,29 +191,21 @@ def describe_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {lines[0][:300] if lines else ''}"
 
 
-_original: Callable[[str | int | WorkerInfo], WorkerInfo] | None = None  # torch's
-_install_lock = threading.Lock()
+_GUARD: Patch[Callable[[str | int | WorkerInfo], WorkerInfo]] = Patch()  # torch's, once wrapped
 
 
 def install_guard() -> None:
     """Refuse torch's own RPC calls on threads inside a distgrad context (idempotent)."""
-    global _original
-    if _original is not None:
-        return
-    from torch.distributed.rpc import api
-
-    with _install_lock:
-        if _original is None:
-            _original = api._to_worker_info  # type: ignore[attr-defined]
-            api._to_worker_info = _guarded  # type: ignore[attr-defined]
+    _GUARD.install(api, "_to_worker_info", _guarded)
 
 
 def _guarded(to: str | int | WorkerInfo) -> WorkerInfo:
     context_id = _identity.current_context_id()
     if context_id is not None and not getattr(_marked, "on", False):
         raise RpcAutogradError(_refusal(context_id))
-    assert _original is not None
-    return _original(to)
+    original = _GUARD.original
+    assert original is not None
+    return original(to)
 
 
 def _refusal(context_id: int) -> str:
