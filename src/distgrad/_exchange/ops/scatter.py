@@ -55,7 +55,8 @@ def scatter(
         out: Tensor = yield from scatter.steps(host, sizes, src, trailing, dtype, cpu, group=group)
         return out.to(device)
     if not guard.enabled():
-        return (yield from _scatter(x, sizes, src, trailing, dtype, device, group))
+        out = torch.empty((max(sizes), *trailing), dtype=dtype, device=device)
+        return (yield from _scatter(x, sizes, src, out, group))
     # Guarded: the source tags each part with what it sends (its dtype and row shape); each
     # receiver checks against what it expects (``dtype``, ``trailing``).
     args = f"sizes={list(sizes)}, src={src}"
@@ -69,34 +70,23 @@ def scatter(
     want = guard.byte_tag(group, "scatter", dtype, trailing, args, counted=not is_src)
     pieces = [s * row + guard.BYTES for s in sizes]
     mine = pieces[group.rank]
-    received = yield from _scatter(
-        tagged, pieces, src, (), torch.uint8, device, group, zero_tail=True
-    )
+    bytes_in = torch.empty(max(pieces), dtype=torch.uint8, device=device)
+    bytes_in[mine - guard.BYTES : mine].zero_()  # a tag that never arrives reads as zeros
+    received = yield from _scatter(tagged, pieces, src, bytes_in, group)
     guard.check(received[mine - guard.BYTES :], want, group)
     data = received[: mine - guard.BYTES]
     return data.view(dtype).view(sizes[group.rank], *trailing)
 
 
 def _scatter(
-    x: Tensor | None,
-    sizes: Sequence[int],
-    src: int,
-    trailing: Sequence[int],
-    dtype: torch.dtype,
-    device: torch.device,
-    group: Group,
-    zero_tail: bool = False,
+    x: Tensor | None, sizes: Sequence[int], src: int, out: Tensor, group: Group
 ) -> Steps[Tensor]:
-    """``scatter``'s exchange; ``zero_tail``: the output's last tag bytes start as zeros."""
+    """``scatter``'s exchange into ``out``, ``max(sizes)`` rows: every part padded to that."""
     assert group.pg is not None
-    width = max(sizes)
-    out = torch.empty((width, *trailing), dtype=dtype, device=device)
-    if zero_tail:
-        out[sizes[group.rank] - guard.BYTES : sizes[group.rank]].zero_()
     chunks = None
     if group.rank == src:
         assert x is not None
-        chunks = [pad_rows(part, width) for part in x.split_with_sizes(sizes)]
+        chunks = [pad_rows(part, out.shape[0]) for part in x.split_with_sizes(sizes)]
     if group.is_nccl:
         yield begin(
             group,
