@@ -37,11 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch._C._distributed_c10d import (
-    AllgatherOptions,
-    AllreduceOptions,
-    AllToAllOptions,
-)
+from torch._C._distributed_c10d import AllgatherOptions, AllreduceOptions, AllToAllOptions
 
 from distgrad._exchange.group import Group
 

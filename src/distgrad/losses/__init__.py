@@ -10,13 +10,7 @@ from __future__ import annotations
 
 from distgrad.losses.barlow_twins import barlow_twins
 from distgrad.losses.contrastive import clip_loss, info_nce, nt_xent, siglip_loss
-from distgrad.losses.modules import (
-    BarlowTwinsLoss,
-    CLIPLoss,
-    InfoNCELoss,
-    NTXentLoss,
-    SigLIPLoss,
-)
+from distgrad.losses.modules import BarlowTwinsLoss, CLIPLoss, InfoNCELoss, NTXentLoss, SigLIPLoss
 
 __all__ = [
     "BarlowTwinsLoss",

@@ -24,15 +24,7 @@ from torch import Tensor
 
 from distgrad._exchange import ops
 from distgrad._exchange.group import Group
-from distgrad.collectives._fields import (
-    Args,
-    Block,
-    Choice,
-    Pair,
-    Positive,
-    Scalar,
-    tensor_problem,
-)
+from distgrad.collectives._fields import Args, Block, Choice, Pair, Positive, Scalar, tensor_problem
 from distgrad.collectives._list_fields import Sizes
 from distgrad.collectives._signature import Bound, Signature, sizes_along
 

@@ -7,11 +7,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from distgrad._exchange import functional, guard
-from distgrad._exchange.backend import (
-    ALL_REDUCE_OPTIONS,
-    REDUCE_OPS,
-    leading,
-)
+from distgrad._exchange.backend import ALL_REDUCE_OPTIONS, REDUCE_OPS, leading
 from distgrad._exchange.declare import exchange, like
 from distgrad._exchange.group import Group
 from distgrad._exchange.inflight import Steps, begin

@@ -5,16 +5,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch._C._distributed_c10d import (
-    BroadcastOptions,
-)
+from torch._C._distributed_c10d import BroadcastOptions
 
 from distgrad._exchange import functional, guard
-from distgrad._exchange.backend import (
-    nbytes,
-    options,
-    real,
-)
+from distgrad._exchange.backend import nbytes, options, real
 from distgrad._exchange.declare import exchange, like
 from distgrad._exchange.group import Group
 from distgrad._exchange.inflight import Steps, begin

@@ -6,17 +6,10 @@ from collections.abc import Sequence
 
 import torch.distributed as dist
 from torch import Tensor
-from torch._C._distributed_c10d import (
-    GatherOptions,
-)
+from torch._C._distributed_c10d import GatherOptions
 
 from distgrad._exchange import functional, guard
-from distgrad._exchange.backend import (
-    options,
-    pad_rows,
-    real,
-    trim_cat,
-)
+from distgrad._exchange.backend import options, pad_rows, real, trim_cat
 from distgrad._exchange.declare import exchange, no_rows, rows
 from distgrad._exchange.group import Group
 from distgrad._exchange.inflight import Steps, begin

@@ -7,9 +7,7 @@ from collections.abc import Sequence
 from torch import Tensor
 
 from distgrad._exchange import functional
-from distgrad._exchange.backend import (
-    reduce_scatter_single,
-)
+from distgrad._exchange.backend import reduce_scatter_single
 from distgrad._exchange.declare import exchange, rows
 from distgrad._exchange.group import Group
 from distgrad._exchange.inflight import Steps, begin

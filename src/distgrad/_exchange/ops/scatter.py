@@ -8,17 +8,10 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch._C._distributed_c10d import (
-    ScatterOptions,
-)
+from torch._C._distributed_c10d import ScatterOptions
 
 from distgrad._exchange import functional, guard
-from distgrad._exchange.backend import (
-    on_host,
-    options,
-    pad_rows,
-    real,
-)
+from distgrad._exchange.backend import on_host, options, pad_rows, real
 from distgrad._exchange.declare import exchange
 from distgrad._exchange.group import Group
 from distgrad._exchange.inflight import Steps, begin
