@@ -5,7 +5,8 @@ how every process of each ended.
 
 A launch passes when its clean endings exit 0 with every rank's work done, its failing endings
 fail the way they should (the failing rank's own error; the others distgrad's named error,
-torchrun's SIGTERM or their own ^C), and nothing aborts, crashes or hangs.
+torchrun's SIGTERM or their own ^C), and nothing aborts, crashes or hangs. A failed launch's
+output is shown from around its first crash sign (else its end); --keep writes it whole.
 """
 
 from __future__ import annotations
@@ -103,12 +104,24 @@ def problems(run: Launch) -> list[str]:
     return found
 
 
+def excerpt(output: str, lines: int = 40) -> list[str]:
+    """What to show of a failed launch: the lines up to just past the first crash sign (the
+    crashed worker's last words come before it; torchrun's summary after it only names the
+    signal), else the last lines."""
+    text = output.splitlines()
+    signs = re.compile("|".join(sign.pattern for sign in _CRASH_SIGNS.values()))
+    first = next((i for i, line in enumerate(text) if signs.search(line)), None)
+    end = len(text) if first is None else min(len(text), first + 1 + lines // 4)
+    return text[max(0, end - lines) : end] if lines > 0 else []
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--launches", type=int, default=200)
     parser.add_argument("--nproc", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--endings", nargs="+", default=[*CLEAN, *FAILING])
     parser.add_argument("--keep", type=Path, help="write each failing launch's output here")
+    parser.add_argument("--lines", type=int, default=40, help="lines of a failure's output shown")
     args = parser.parse_args()
     plan = itertools.islice(itertools.cycle(itertools.product(args.endings, args.nproc)), None)
     tally: Counter[str] = Counter()
@@ -126,6 +139,8 @@ def main() -> int:
         )
         if found:
             bad += 1
+            shown = excerpt(run.output, args.lines)
+            print("".join(f"     | {line}\n" for line in shown), end="", flush=True)
             if args.keep:
                 args.keep.mkdir(parents=True, exist_ok=True)
                 (args.keep / f"launch{index + 1}-{ending}-{nproc}.log").write_text(run.output)

@@ -14,7 +14,7 @@ import itertools
 
 import pytest
 
-from tests.lifecycle.stress import CLEAN, FAILING, launch, problems
+from tests.lifecycle.stress import CLEAN, FAILING, excerpt, launch, problems
 
 # One clean ending, one failing and one signal in the default tier; every ending, and 4
 # processes, in the slow tier (10-18 s a launch), which CI runs.
@@ -32,7 +32,8 @@ DEFAULT = {("sigterm", 2)}  # the others in the slow tier, which CI runs
 def test_a_torchrun_job_ends_as_it_should(ending: str, nproc: int) -> None:
     run = launch(ending, nproc)
     found = problems(run)
-    assert not found, f"{ending} on {nproc} processes: {found}\n{run.output[-6000:]}"
+    shown = "\n".join(excerpt(run.output, 80))
+    assert not found, f"{ending} on {nproc} processes: {found}\n{shown}"
 
 
 @pytest.mark.slow
