@@ -12,6 +12,7 @@ whatever the caller does in between. Every wait goes through ``distgrad._exchang
 from __future__ import annotations
 
 import atexit
+import threading
 import time
 from collections.abc import Callable, Generator
 from typing import Any, Generic, Protocol, TypeVar
@@ -127,9 +128,42 @@ def _settle_at_exit() -> None:
     finalising has begun is made to exit inside a C++ destructor ("terminate called without an
     active exception"), and the process aborts. Only a process that ran a collective since the
     last settle (``destroy_process_group`` settles), or still has a process group (DDP's works
-    capture the same state), pays, once."""
+    capture the same state), pays, once. distgrad's own helper threads are let finish first
+    (:func:`_let_helpers_finish`)."""
+    _let_helpers_finish()
     if collectives_unsettled() or (dist.is_available() and dist.is_initialized()):
         settle_backend_threads()
+
+
+# A wait left by an exception (^C, distgrad's error naming a dead peer) leaves its helper thread
+# (``wait.wait_pairs``) blocked in gloo's wait, the GIL released. When that wait returns during
+# finalisation (the exchange completes as the peers catch up, or fails as they exit), the
+# helper takes the GIL inside pybind's destructor and the process aborts, as above: 5 of 23
+# torchrun jobs of 4 processes all ^C'd during their calls, every aborting rank interrupted in
+# ``wait_pairs``. So the exit waits for such a helper, for a bounded time: one whose peers come
+# or exit within it is safe; one whose peers come later (or whose peer died mid-transfer, kept
+# until the group's timeout) is given up on, and the abort stays possible. The bound keeps a
+# ^C'd rank's exit prompt, and a ``run_on_ranks`` rank inside its 5 s to exit.
+_HELPERS_GRACE_S = 2.0
+
+
+def _let_helpers_finish() -> None:
+    """Wait, up to :data:`_HELPERS_GRACE_S`, for distgrad's helper threads still waiting on an
+    exchange (none in a job whose waits all returned: this costs nothing then)."""
+    deadline = time.monotonic() + _HELPERS_GRACE_S
+    while _busy_helpers() and time.monotonic() < deadline:
+        time.sleep(_wait.TICK_S)
+
+
+def _busy_helpers() -> list[threading.Thread]:
+    """distgrad's helper threads not back among the idle ones (``wait._Helper``, ``wait._idle``)."""
+    with _wait._idle_lock:
+        idle = list(_wait._idle)
+    return [
+        t
+        for t in threading.enumerate()
+        if isinstance(t, _wait._Helper) and t.is_alive() and not any(t is i for i in idle)
+    ]
 
 
 atexit.register(_settle_at_exit)
