@@ -35,7 +35,7 @@ def work() -> Iterator[_Work]:
     yield w
     w.done.set()  # never leave a helper blocked behind the test
     deadline = time.monotonic() + 5
-    while inflight._busy_helpers() and time.monotonic() < deadline:
+    while _wait.busy_helpers() and time.monotonic() < deadline:
         time.sleep(0.001)
 
 
@@ -43,9 +43,9 @@ def _abandon(work: _Work) -> None:
     """What a ^C in ``wait_pairs`` leaves behind: the job submitted, nobody waiting for it."""
     _wait._submit(_wait._Job([work]))
     deadline = time.monotonic() + 5
-    while not inflight._busy_helpers() and time.monotonic() < deadline:
+    while not _wait.busy_helpers() and time.monotonic() < deadline:
         time.sleep(0.001)
-    assert inflight._busy_helpers()
+    assert _wait.busy_helpers()
 
 
 def test_exit_waits_for_a_helper_until_its_exchange_ends(work: _Work) -> None:
@@ -54,7 +54,7 @@ def test_exit_waits_for_a_helper_until_its_exchange_ends(work: _Work) -> None:
     start = time.monotonic()
     inflight._let_helpers_finish()
     waited = time.monotonic() - start
-    assert not inflight._busy_helpers()
+    assert not _wait.busy_helpers()
     assert 0.15 < waited < inflight._HELPERS_GRACE_S
 
 
@@ -66,7 +66,7 @@ def test_exit_gives_up_on_a_stuck_helper_after_the_grace(
     start = time.monotonic()
     inflight._let_helpers_finish()
     assert 0.1 <= time.monotonic() - start < 1.0
-    assert inflight._busy_helpers()  # still blocked: the exit goes on without it
+    assert _wait.busy_helpers()  # still blocked: the exit goes on without it
 
 
 def test_exit_costs_nothing_without_a_busy_helper() -> None:

@@ -12,7 +12,6 @@ whatever the caller does in between. Every wait goes through ``distgrad._exchang
 from __future__ import annotations
 
 import atexit
-import threading
 import time
 from collections.abc import Callable, Generator
 from typing import Any, Generic, Protocol, TypeVar
@@ -151,19 +150,8 @@ def _let_helpers_finish() -> None:
     """Wait, up to :data:`_HELPERS_GRACE_S`, for distgrad's helper threads still waiting on an
     exchange (none in a job whose waits all returned: this costs nothing then)."""
     deadline = time.monotonic() + _HELPERS_GRACE_S
-    while _busy_helpers() and time.monotonic() < deadline:
+    while _wait.busy_helpers() and time.monotonic() < deadline:
         time.sleep(_wait.TICK_S)
-
-
-def _busy_helpers() -> list[threading.Thread]:
-    """distgrad's helper threads not back among the idle ones (``wait._Helper``, ``wait._idle``)."""
-    with _wait._idle_lock:
-        idle = list(_wait._idle)
-    return [
-        t
-        for t in threading.enumerate()
-        if isinstance(t, _wait._Helper) and t.is_alive() and not any(t is i for i in idle)
-    ]
 
 
 atexit.register(_settle_at_exit)

@@ -64,6 +64,7 @@ __all__ = [
     "TICK_S",
     "activity",
     "annotate",
+    "busy_helpers",
     "note_call",
     "others",
     "wait_collective",
@@ -292,6 +293,18 @@ class _Helper(threading.Thread):
             job = work = None
             with _idle_lock:
                 _idle.append(self)
+
+
+def busy_helpers() -> list[threading.Thread]:
+    """The helper threads still waiting on an exchange: not back among the idle ones (a ^C in
+    :func:`wait_pairs` leaves its helper waiting, nobody reading its result)."""
+    with _idle_lock:
+        idle = list(_idle)
+    return [
+        t
+        for t in threading.enumerate()
+        if isinstance(t, _Helper) and t.is_alive() and not any(t is i for i in idle)
+    ]
 
 
 def _submit(job: _Job) -> None:
