@@ -11,6 +11,8 @@ The hierarchy::
     ├── PeerGoneError              a peer's process is gone, seen by distgrad's liveness check
     │                              (torch's DistBackendError too, as gloo raises for a closed
     │                              connection)
+    ├── PipelineError              distributed autograd over point-to-point (distgrad.pipeline)
+    │                              was misused or failed (a RuntimeError)
     ├── RankFailedError            a process started by run_on_ranks failed or timed out
     └── RpcAutogradError           distributed autograd over RPC failed (a RuntimeError, as
         │                          torch.distributed.autograd raises)
@@ -35,6 +37,7 @@ __all__ = [
     "GradientMismatchError",
     "NotALossError",
     "PeerGoneError",
+    "PipelineError",
     "RankFailedError",
     "RpcAutogradError",
     "UnknownContextError",
@@ -79,6 +82,13 @@ class PeerGoneError(DistgradError, DistBackendError):
     Raised (with distgrad's account of the op, the pass and the peer first) when gloo would
     not have failed the operation in flight. Also a ``torch.distributed.DistBackendError``,
     what gloo raises for a closed connection, so code written against torch catches it.
+    """
+
+
+class PipelineError(DistgradError, RuntimeError):
+    """Distributed autograd over point-to-point (``distgrad.pipeline``) was misused or failed:
+    a transfer outside a context, a backward run twice over the same transfers, a context left
+    with transfers no backward ran. The message names the rank, the transfer and what to do.
     """
 
 

@@ -26,8 +26,9 @@ LAYERS: Layers = [
     # Every exchange, its waits and its checks; its floors: EXCHANGE_FLOORS below.
     [["distgrad._exchange"]],
     [["distgrad.collectives"]],  # the differentiable ops, one file per adjoint pair
-    # Built on the collectives; rpc stands beside them (it needs only the errors).
-    [["distgrad.losses"], ["distgrad.parallel"], ["distgrad.rpc"]],
+    # Built on the collectives; rpc stands beside them (it needs only the errors), and so does
+    # pipeline (distributed autograd over c10d point-to-point: the exchange layer's pairs).
+    [["distgrad.losses"], ["distgrad.parallel"], ["distgrad.rpc"], ["distgrad.pipeline"]],
     [["distgrad.testing"]],  # run_on_ranks and the checker (run_on_ranks can start RPC)
     [["distgrad.__init__"]],  # the public surface: re-exports only
     [["distgrad._demo"]],  # the demo, a user of the public surface
@@ -85,6 +86,21 @@ def test_losses_and_parallel_use_only_the_exchange_layers_public_declarations() 
         name: sorted(d for d in deps if d.startswith(f"{_X}.") and d not in EXCHANGE_PUBLIC)
         for name, deps in import_graph("distgrad").items()
         if name.startswith(("distgrad.losses", "distgrad.parallel"))
+    }
+    assert not {k: v for k, v in offenders.items() if v}, offenders
+
+
+# What distgrad.pipeline takes from the exchange layer: the groups, the point-to-point pairs
+# its transfers are (a transfer is no collective: funcol has no traced point-to-point form to
+# declare), and debug mode with the handshake's wording.
+PIPELINE_USES = {f"{_X}.group", f"{_X}.pairs", f"{_X}.handshake"}
+
+
+def test_pipeline_uses_only_groups_pairs_and_debug_mode_of_the_exchange_layer() -> None:
+    offenders = {
+        name: sorted(d for d in deps if d.startswith(f"{_X}.") and d not in PIPELINE_USES)
+        for name, deps in import_graph("distgrad").items()
+        if name.startswith("distgrad.pipeline")
     }
     assert not {k: v for k, v in offenders.items() if v}, offenders
 

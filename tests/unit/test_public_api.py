@@ -21,6 +21,7 @@ PUBLIC = [
     "losses",
     "parallel",
     "permute",
+    "pipeline",
     "reduce",
     "reduce_scatter",
     "rpc",

@@ -59,42 +59,53 @@ class Pairs:
         for host, target in self._landings:
             target.copy_(host)
 
+    def done(self) -> bool:
+        """Whether every operation has completed (a failed one counts: :meth:`wait` raises)."""
+        return not self._landings and all(w.is_completed() for w in self._works)
+
     def describe_now(self) -> None:
         self._what = self._what or _wait.StartedEarlier(self._group)
 
 
 def start_pairs(
-    sends: Sequence[tuple[Tensor, int]], recvs: Sequence[tuple[Tensor, int]], group: Group
+    sends: Sequence[tuple[Tensor, int]],
+    recvs: Sequence[tuple[Tensor, int]],
+    group: Group,
+    tag: int = P2P_TAG,
+    what: _wait.What = None,
 ) -> Pairs:
     """Start sending each ``(tensor, peer)`` of ``sends`` and receiving into each of ``recvs``
-    (contiguous tensors, group ranks), tagged so that they never meet the user's own messages.
-    Sends are started first, in order, then receives."""
+    (contiguous tensors, group ranks), tagged so that they never meet the user's own messages
+    (``tag``: gloo pairs messages by it; NCCL ignores it and pairs them in order). Sends are
+    started first, in order, then receives. ``what`` names the exchange in errors."""
     pg = group.pg
     assert pg is not None
     if any(on_host(group, t.device) for t, _ in (*sends, *recvs)):  # see "Staging on gloo"
         landings = [(torch.empty_like(t, device="cpu"), t) for t, _ in recvs]
         host_sends = [(t.cpu(), peer) for t, peer in sends]
         host_recvs = [(host, peer) for (host, _), (_, peer) in zip(landings, recvs, strict=True)]
-        staged = start_pairs(host_sends, host_recvs, group)
+        staged = start_pairs(host_sends, host_recvs, group, tag, what)
         staged._landings = landings
         return staged
     peers = [peer for _, peer in sends] + [peer for _, peer in recvs]
     largest = max((nbytes(t) for t, _ in (*sends, *recvs)), default=0)
     if group.is_nccl:
-        ops = [dist.P2POp(dist.isend, t, group.global_rank(p), pg, tag=P2P_TAG) for t, p in sends]
-        ops += [dist.P2POp(dist.irecv, t, group.global_rank(p), pg, tag=P2P_TAG) for t, p in recvs]
+        ops = [dist.P2POp(dist.isend, t, group.global_rank(p), pg, tag=tag) for t, p in sends]
+        ops += [dist.P2POp(dist.irecv, t, group.global_rank(p), pg, tag=tag) for t, p in recvs]
         works = start_outside_engine(dist.batch_isend_irecv, ops) if ops else []
     else:
         # The process group's own methods take group ranks; 0.25 ms faster than P2POp.
         works = []
         try:
             for t, peer in sends:
-                works.append(pg.send([real(t)], peer, P2P_TAG))
+                works.append(pg.send([real(t)], peer, tag))
             for t, peer in recvs:
-                works.append(pg.recv([real(t)], peer, P2P_TAG))
+                works.append(pg.recv([real(t)], peer, tag))
         except RuntimeError as exc:  # gloo refuses to post on a connection already closed
-            raise _wait.annotate(exc, group, [peers[len(works)]], time.monotonic()) from None
-    return Pairs(works, peers, largest, group)
+            raise _wait.annotate(exc, group, [peers[len(works)]], time.monotonic(), what) from None
+    pairs = Pairs(works, peers, largest, group)
+    pairs._what = what
+    return pairs
 
 
 def exchange_by_pairs(

@@ -1,0 +1,83 @@
+"""Distributed autograd over c10d point-to-point: the transfers between pipeline stages,
+recorded in the forward pass, and one backward across the ranks.
+
+Usage, on every rank of a two-stage pipeline (group ranks; gloo or NCCL)::
+
+    import distgrad.pipeline as dgp
+
+    with dgp.context() as cid:
+        if rank == 0:
+            dgp.send(stage0(x), dst=1)
+            dgp.backward(cid)                   # no loss here: driven by what arrives
+        else:
+            h = dgp.recv(src=0, shape=(batch, width), dtype=torch.float32)
+            loss = loss_fn(stage1(h), y)
+            dgp.backward(cid, [loss])           # the gradient of h goes back to rank 0
+
+Each rank records its transfers in order in the context; ``backward`` takes them in reverse,
+sends each received tensor's gradient to its sender once it is complete, and runs this rank's
+graph from each send's gradient as it arrives (the design note's FAST mode, without RPC).
+Microbatches are labelled (``microbatch=``) so a schedule runs their backwards in any order,
+and a backward can be split into its input and weight halves (zero-bubble schedules). The
+same context API as :mod:`distgrad.rpc`; see docs/pipeline.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from distgrad.errors import PipelineError
+from distgrad.pipeline import _records
+from distgrad.pipeline.backward import backward, backward_weights, get_gradients
+from distgrad.pipeline.transfer import Transfer, irecv, isend, recv, send
+
+__all__ = [
+    "Transfer",
+    "backward",
+    "backward_weights",
+    "context",
+    "get_gradients",
+    "irecv",
+    "isend",
+    "recv",
+    "send",
+]
+
+
+@contextmanager
+def context() -> Iterator[int]:
+    """Record this rank's transfers for one distributed backward; yields the context's id.
+
+    Every rank enters its own context for the same step (ids are local to each rank; ranks
+    pair transfers by their order, not by id). On leaving, the sends still in flight are
+    waited for, and a context some of whose recorded transfers no backward ran raises
+    :class:`~distgrad.errors.PipelineError` (their peers would wait for those gradients).
+    Contexts do not nest on one thread.
+    """
+    ctx = _records.open_context()
+    clean = False
+    try:
+        yield ctx.context_id
+        clean = True
+    finally:
+        try:
+            if clean:
+                ctx.wait_in_flight()
+                left = [r for r in ctx.records if r.state != "done"]
+                if left or ctx.weight_steps:
+                    rank = (left[0].group.rank) if left else "?"
+                    names = "; ".join(r.describe() for r in left[:4])
+                    more = f" and {len(left) - 4} more" if len(left) > 4 else ""
+                    steps = sorted(map(str, ctx.weight_steps))
+                    pending = (
+                        f"; weight steps never run: microbatch {', '.join(steps)}" if steps else ""
+                    )
+                    raise PipelineError(
+                        f"rank {rank} leaves dg.pipeline context {ctx.context_id} with "
+                        f"transfers no backward ran: {names or 'none'}{more}{pending}; run "
+                        "dg.pipeline.backward (and backward_weights after a split one) for "
+                        "every microbatch before leaving the context"
+                    )
+        finally:
+            _records.release(ctx)

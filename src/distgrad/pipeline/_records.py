@@ -1,0 +1,181 @@
+"""What a context records: every transfer of the forward pass, in program order.
+
+A :class:`Record` is one forward transfer as this rank saw it: a send (the tensor sent, whose
+gradient will arrive from the receiver) or a receive (the tensor received, whose gradient this
+rank will send back). Its ``slot`` numbers it among this context's transfers between the same two
+ranks in the same direction, so that both ranks name a transfer the same way: rank 0's third
+send to rank 1 is rank 1's third receive from rank 0. The backward's messages are tagged with
+the slot, which is how a gradient finds its transfer whatever order the ranks' backwards take.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from distgrad._exchange.group import Group
+from distgrad._exchange.pairs import Pairs
+from distgrad.errors import PipelineError
+
+__all__ = ["ANCHOR", "Context", "Record", "Sink", "current", "lookup", "open_context", "release"]
+
+Kind = Literal["send", "recv"]
+
+# The one leaf every received tensor hangs from: its recv node needs an input that requires
+# grad to be part of the graph, and asking autograd for this leaf's gradient runs exactly the
+# nodes between a start and the recv nodes (the input-gradient step of a split backward).
+ANCHOR = torch.zeros((), requires_grad=True)
+
+
+class Sink:
+    """Where a recv node puts the gradient that reaches it. Held by the node and by its record,
+    and holding neither: no reference cycle keeps a graph alive."""
+
+    __slots__ = ("closed", "grad")
+
+    def __init__(self) -> None:
+        self.grad: Tensor | None = None
+        self.closed = False  # the gradient was sent: a weight step's rerun adds nothing
+
+    def take(self, grad: Tensor) -> None:
+        if not self.closed:
+            self.grad = grad if self.grad is None else self.grad + grad
+
+
+@dataclass(eq=False)
+class Record:
+    """One forward transfer of a context, as this rank made it."""
+
+    kind: Kind
+    group: Group
+    peer: int  # group rank of the other side
+    slot: int  # index among the context's transfers with ``peer`` in this direction
+    microbatch: int | None
+    tensor: Tensor | None  # a send: the tensor sent; a receive: the tensor received
+    index: int  # position in the context's program order
+    sink: Sink = field(default_factory=Sink)  # a receive: its gradient, summed as it arrives
+    state: Literal["recorded", "done"] = "recorded"
+
+    def describe(self) -> str:
+        way = f"send to rank {self.peer}" if self.kind == "send" else f"recv from rank {self.peer}"
+        mb = "" if self.microbatch is None else f", microbatch {self.microbatch}"
+        return f"{way} (transfer {self.slot} between the two ranks{mb})"
+
+
+@dataclass(eq=False)
+class Context:
+    """One distributed autograd context over point-to-point: its transfers and gradients."""
+
+    context_id: int
+    records: list[Record] = field(default_factory=list)
+    # (group key, peer, kind) -> how many transfers of that kind with that peer so far
+    slots: dict[tuple[tuple[int, str], int, Kind], int] = field(default_factory=dict)
+    # accumulate="context": gradients of the leaves, by identity (the tensor kept beside its
+    # gradient, so that the id cannot be reused while the entry lives)
+    gradients: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)
+    # sends still in flight: forward sends started with isend, the backward's gradients
+    in_flight: list[Pairs] = field(default_factory=list)
+    # split backwards whose weight step is still to run: microbatch -> its starts and grads
+    weight_steps: dict[int | None, list[tuple[list[Tensor], list[Tensor]]]] = field(
+        default_factory=dict
+    )
+
+    def next_slot(self, kind: Kind, group: Group, peer: int) -> int:
+        """Number a transfer (with or without gradient) among this context's transfers of
+        ``kind`` with ``peer``: the sender's k-th send is the receiver's k-th receive."""
+        key = (group.key, peer, kind)
+        slot = self.slots.get(key, 0)
+        self.slots[key] = slot + 1
+        return slot
+
+    def record(
+        self,
+        kind: Kind,
+        group: Group,
+        peer: int,
+        slot: int,
+        tensor: Tensor | None,
+        microbatch: int | None,
+    ) -> Record:
+        """Record a transfer whose gradient the backward carries, at its place in program
+        order: a send when it starts, a receive when its data is there (its wait)."""
+        rec = Record(kind, group, peer, slot, microbatch, tensor, len(self.records))
+        self.records.append(rec)
+        return rec
+
+    def pending(self, microbatch: int | None, everything: bool) -> list[Record]:
+        """The transfers a backward over ``microbatch`` takes (all not yet run if
+        ``everything``), in program order."""
+        return [
+            r
+            for r in self.records
+            if r.state == "recorded" and (everything or r.microbatch == microbatch)
+        ]
+
+    def keep(self, pairs: Pairs) -> None:
+        """Hold a send in flight until it completes (its buffer must live until then)."""
+        self.in_flight = [p for p in self.in_flight if not p.done()]
+        self.in_flight.append(pairs)
+
+    def wait_in_flight(self) -> None:
+        pairs, self.in_flight = self.in_flight, []
+        for p in pairs:
+            p.wait()
+
+    def accumulate(self, leaf: Tensor, grad: Tensor) -> None:
+        held = self.gradients.get(id(leaf))
+        total = grad if held is None else held[1] + grad
+        self.gradients[id(leaf)] = (leaf, total)
+
+
+_ids = itertools.count(1)
+_lock = threading.Lock()
+_contexts: dict[int, Context] = {}
+_current = threading.local()
+
+
+def open_context() -> Context:
+    if getattr(_current, "ctx", None) is not None:
+        raise PipelineError(
+            "dg.pipeline.context() entered inside another dg.pipeline context on this thread; "
+            "contexts do not nest: leave the first one, or record both steps in one context "
+            "with microbatch= labels"
+        )
+    ctx = Context(next(_ids))
+    with _lock:
+        _contexts[ctx.context_id] = ctx
+    _current.ctx = ctx
+    return ctx
+
+
+def release(ctx: Context) -> None:
+    _current.ctx = None
+    with _lock:
+        _contexts.pop(ctx.context_id, None)
+
+
+def current(op: str) -> Context:
+    ctx: Context | None = getattr(_current, "ctx", None)
+    if ctx is None:
+        raise PipelineError(
+            f"dg.pipeline.{op} was called outside a dg.pipeline.context(): its transfer would "
+            "have no backward. Record the step inside `with dg.pipeline.context() as cid:` on "
+            "every rank, or use torch.distributed.send/recv for a transfer without gradients"
+        )
+    return ctx
+
+
+def lookup(context_id: int) -> Context:
+    with _lock:
+        ctx = _contexts.get(context_id)
+    if ctx is None:
+        raise PipelineError(
+            f"no dg.pipeline context with id {context_id} on this rank (never made here, or "
+            "already left): run the backward inside the `with dg.pipeline.context()` block"
+        )
+    return ctx

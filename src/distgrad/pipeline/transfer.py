@@ -1,0 +1,307 @@
+"""Sends and receives that autograd records: the forward half of distributed autograd over c10d.
+
+``isend``/``irecv`` start a transfer and return a :class:`Transfer`; ``send``/``recv`` are the
+same, waited for. Inside a :func:`~distgrad.pipeline.context`, a transfer whose tensor requires
+grad is recorded: its gradient goes back the other way when the ranks run
+:func:`~distgrad.pipeline.backward`. A received tensor hangs from a recv node in this rank's
+autograd graph; its backward keeps the gradient that reaches it, which the distributed backward
+sends to the sender once every part of it has arrived.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from distgrad._exchange.group import Group, resolve
+from distgrad._exchange.handshake import show
+from distgrad._exchange.pairs import Pairs, start_pairs
+from distgrad._mesh import GroupLike, refuse_dtensors
+from distgrad.errors import CollectiveArgumentError, CollectiveMismatchError
+from distgrad.pipeline import _records, _wire
+from distgrad.pipeline._records import ANCHOR, Context, Sink
+
+__all__ = ["Transfer", "irecv", "isend", "recv", "send"]
+
+
+class Transfer:
+    """A send or receive in flight, from :func:`isend` or :func:`irecv`.
+
+    :meth:`wait` finishes it: a send returns ``None``, a receive the tensor received (the same
+    tensor on every later call). A transfer never waited for is waited for when its context
+    ends; a receive's tensor exists only once waited for.
+    """
+
+    __slots__ = ("_finish", "_pairs", "_result", "_waited")
+
+    def __init__(self, pairs: Pairs | None, finish: Any = None) -> None:
+        self._pairs = pairs
+        self._finish = finish  # a receive: makes the received tensor once the data is there
+        self._result: Tensor | None = None
+        self._waited = False
+
+    def wait(self) -> Tensor | None:
+        if not self._waited:
+            self._waited = True
+            if self._pairs is not None:
+                pairs, self._pairs = self._pairs, None
+                pairs.wait()
+            if self._finish is not None:
+                self._result = self._finish()
+                self._finish = None
+        return self._result
+
+    def is_completed(self) -> bool:
+        return self._waited
+
+
+def _peer(peer: object, g: Group, op: str, name: str) -> int:
+    if isinstance(peer, bool) or not isinstance(peer, int) or not 0 <= peer < g.size:
+        raise CollectiveArgumentError(
+            f"{op} on rank {g.rank}: {name} must be a group rank, an int from 0 to "
+            f"{g.size - 1}, got {peer!r}"
+        )
+    if peer == g.rank:
+        raise CollectiveArgumentError(
+            f"{op} on rank {g.rank}: {name}={peer} is this rank itself; a transfer goes to "
+            "another rank of the group (use the tensor directly for this rank's own part)"
+        )
+    return peer
+
+
+def _describe(op: str, g: Group, peer: int, slot: int, microbatch: int | None) -> str:
+    mb = "" if microbatch is None else f", microbatch {microbatch}"
+    way = "to" if op.endswith("send") else "from"
+    return f"the forward of dg.pipeline.{op} {way} rank {peer} (transfer {slot}{mb})"
+
+
+def isend(
+    x: Tensor, dst: int, group: GroupLike = None, *, microbatch: int | None = None
+) -> Transfer:
+    """Start sending ``x`` to group rank ``dst``; the gradient of what ``dst`` computes from
+    it comes back in the backward and flows on into ``x``'s graph.
+
+    ``x`` is not modified; it must not be modified until the transfer completes (as with
+    torch's ``isend``). Recorded in the current context when ``x`` requires grad and grad mode
+    is on; ``microbatch`` labels the transfer for :func:`~distgrad.pipeline.backward`'s
+    ``microbatch=``. Communication: forward 1 message of ``x`` (and a header of 16 int64 on
+    the first 8 sends to ``dst``, or every send in debug mode); backward 1 message of ``x``'s
+    shape from ``dst``.
+
+    Raises :class:`~distgrad.errors.CollectiveArgumentError` for a bad ``dst``,
+    :class:`~distgrad.errors.CollectiveMismatchError` when a transfer's shape changes after
+    its checked calls, :class:`~distgrad.errors.PipelineError` outside a context.
+    """
+    op = "isend"
+    g = resolve(group, f"dg.pipeline.{op}")
+    refuse_dtensors(f"dg.pipeline.{op}", x=x)
+    if not isinstance(x, Tensor):
+        raise CollectiveArgumentError(
+            f"dg.pipeline.{op} on rank {g.rank}: x must be a tensor, got {type(x).__name__}"
+        )
+    dst = _peer(dst, g, f"dg.pipeline.{op}", "dst")
+    ctx = _records.current(op)
+    slot = ctx.next_slot("send", g, dst)
+    grad = x.requires_grad and torch.is_grad_enabled()
+    checked = _wire.checked(g, dst, "fwd-out")
+    what = _describe(op, g, dst, slot, microbatch)
+    _wire.announce(g, dst, slot, (tuple(x.shape), x.dtype, grad), checked, op=what)
+    data = x.detach().contiguous()
+    sends: list[tuple[Tensor, int]] = []
+    if checked:
+        header = _wire.encode(x.shape, x.dtype, grad, slot, microbatch, op=what, group=g)
+        sends.append((header.to(data.device), dst))
+    if data.numel():
+        sends.append((data, dst))
+    pairs = start_pairs(sends, [], g, _wire.tag(False, slot), what) if sends else None
+    if grad:
+        ctx.record("send", g, dst, slot, x, microbatch)
+    # The data is kept alive by the transfer until it is waited for (gloo reads it while in
+    # flight); a context waits for every send it started when it ends.
+    if pairs is not None:
+        ctx.keep(pairs)
+    return Transfer(pairs)
+
+
+def send(x: Tensor, dst: int, group: GroupLike = None, *, microbatch: int | None = None) -> None:
+    """:func:`isend`, waited for: returns when ``x`` has been sent. Same arguments, cost and
+    errors."""
+    isend(x, dst, group, microbatch=microbatch).wait()
+
+
+def irecv(
+    src: int,
+    group: GroupLike = None,
+    *,
+    shape: Sequence[int] | None = None,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+    like: Tensor | None = None,
+    requires_grad: bool | None = None,
+    microbatch: int | None = None,
+) -> Transfer:
+    """Start receiving a tensor from group rank ``src``; :meth:`Transfer.wait` returns it.
+
+    The received tensor requires grad when the sent one did (and grad mode is on here): its
+    gradient goes back to ``src`` in the backward. ``shape``, ``dtype`` and ``requires_grad``
+    (or ``like=``, a tensor whose shape, dtype and device to take) say what arrives; any left
+    out are learned from the transfer's first checked calls and then reused, so a step after
+    the first sends nothing but its data. ``device`` defaults to ``like``'s, else the current
+    CUDA device on NCCL and the CPU otherwise. ``microbatch`` labels the transfer for the
+    backward.
+
+    Communication: forward 1 message (and a header of 16 int64 on the first 8 receives from
+    ``src``, or every one in debug mode); backward 1 message of the gradient to ``src``.
+
+    Raises :class:`~distgrad.errors.CollectiveMismatchError` on this rank when what arrives
+    differs from ``shape``/``dtype``/``requires_grad`` (checked calls), or when nothing says
+    what arrives; :class:`~distgrad.errors.CollectiveArgumentError` for a bad ``src``;
+    :class:`~distgrad.errors.PipelineError` outside a context. A receive whose sender never
+    sends fails at the group's timeout, one whose sender died within tens of milliseconds
+    (:class:`~distgrad.errors.PeerGoneError`), naming the rank and the transfer.
+    """
+    op = "irecv"
+    g = resolve(group, f"dg.pipeline.{op}")
+    src = _peer(src, g, f"dg.pipeline.{op}", "src")
+    ctx = _records.current(op)
+    slot = ctx.next_slot("recv", g, src)
+    what = _describe(op, g, src, slot, microbatch)
+    if like is not None:
+        refuse_dtensors(f"dg.pipeline.{op}", like=like)
+        shape = tuple(like.shape) if shape is None else shape
+        dtype = like.dtype if dtype is None else dtype
+        device = like.device if device is None else device
+    wanted = None if shape is None else tuple(int(d) for d in shape)
+    where = torch.device(device) if device is not None else _default_device(g)
+    tag = _wire.tag(False, slot)
+    known = _wire.learned(g, src, slot)
+    if _wire.checked(g, src, "fwd-in"):
+        header = _wire.empty_header(where)
+        if wanted is not None and dtype is not None:  # both messages at once
+            buffer = torch.empty(wanted, dtype=dtype, device=where)
+            recvs = [(header, src)] + ([(buffer, src)] if buffer.numel() else [])
+            pairs = start_pairs([], recvs, g, tag, what)
+
+            def finish_checked() -> Tensor:
+                arrived = _arrived(header, g, src, slot, what)
+                _check(arrived, wanted, dtype, requires_grad, g, src, what)
+                return _received(ctx, g, src, slot, microbatch, buffer, arrived.requires_grad)
+
+            return Transfer(pairs, finish_checked)
+        start_pairs([], [(header, src)], g, tag, what).wait()
+        arrived = _arrived(header, g, src, slot, what)
+        _check(arrived, wanted, dtype, requires_grad, g, src, what)
+        buffer = torch.empty(arrived.shape, dtype=arrived.dtype, device=where)
+        grad = arrived.requires_grad
+    else:
+        # Data only: what arrives is what the caller says, else what the checked calls taught.
+        shape_ = wanted if wanted is not None else (known[0] if known else None)
+        dtype_ = dtype if dtype is not None else (known[1] if known else None)
+        if shape_ is None or dtype_ is None:
+            raise CollectiveMismatchError(
+                f"{what} on rank {g.rank}: nothing says what arrives (this transfer had no "
+                "checked call to learn its shape from); pass shape= and dtype= (or like=)"
+            )
+        buffer = torch.empty(shape_, dtype=dtype_, device=where)
+        grad = requires_grad if requires_grad is not None else (known[2] if known else True)
+    data = start_pairs([], [(buffer, src)], g, tag, what) if buffer.numel() else None
+    return Transfer(data, lambda: _received(ctx, g, src, slot, microbatch, buffer, grad))
+
+
+def recv(
+    src: int,
+    group: GroupLike = None,
+    *,
+    shape: Sequence[int] | None = None,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+    like: Tensor | None = None,
+    requires_grad: bool | None = None,
+    microbatch: int | None = None,
+) -> Tensor:
+    """:func:`irecv`, waited for: returns the tensor received. Same arguments, cost and
+    errors."""
+    received = irecv(
+        src,
+        group,
+        shape=shape,
+        dtype=dtype,
+        device=device,
+        like=like,
+        requires_grad=requires_grad,
+        microbatch=microbatch,
+    ).wait()
+    assert received is not None
+    return received
+
+
+def _default_device(g: Group) -> torch.device:
+    if g.is_nccl:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _arrived(header: Tensor, g: Group, src: int, slot: int, what: str) -> _wire.Header:
+    arrived = _wire.decode(header, op=what, group=g, peer=src)
+    _wire.learn(g, src, slot, arrived)
+    return arrived
+
+
+def _check(
+    arrived: _wire.Header,
+    shape: tuple[int, ...] | None,
+    dtype: torch.dtype | None,
+    requires_grad: bool | None,
+    g: Group,
+    src: int,
+    what: str,
+) -> None:
+    problems = []
+    if shape is not None and arrived.shape != shape:
+        problems.append(f"shape {show(arrived.shape)} where this rank expects {show(shape)}")
+    if dtype is not None and arrived.dtype != dtype:
+        problems.append(f"dtype {arrived.dtype} where this rank expects {dtype}")
+    if requires_grad is not None and arrived.requires_grad != requires_grad:
+        problems.append(
+            f"a tensor with requires_grad={arrived.requires_grad} where this rank expects "
+            f"requires_grad={requires_grad}"
+        )
+    if problems:
+        raise CollectiveMismatchError(
+            f"{what} on rank {g.rank}: rank {src} sends " + "; ".join(problems)
+        )
+
+
+def _received(
+    ctx: Context,
+    g: Group,
+    src: int,
+    slot: int,
+    microbatch: int | None,
+    buffer: Tensor,
+    grad: bool,
+) -> Tensor:
+    """The received tensor: hung from a recv node and recorded, when its gradient goes back."""
+    if not (grad and torch.is_grad_enabled()):
+        return buffer
+    rec = ctx.record("recv", g, src, slot, None, microbatch)
+    out: Tensor = _Received.apply(ANCHOR, buffer, rec.sink)  # type: ignore[no-untyped-call]
+    rec.tensor = out
+    return out
+
+
+class _Received(torch.autograd.Function):
+    """The recv node: its backward keeps the gradient that reached the received tensor."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: Tensor, buffer: Tensor, sink: Sink) -> Tensor:
+        ctx.sink = sink
+        return buffer
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[None, None, None]:
+        ctx.sink.take(grad)
+        return None, None, None
