@@ -31,7 +31,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from distgrad._exchange.pairs import start_pairs
+from distgrad._exchange.pairs import Pairs, start_pairs
 from distgrad.errors import CollectiveMismatchError, PipelineError
 from distgrad.pipeline import _wire
 from distgrad.pipeline._records import ANCHOR, Context, Record, lookup
@@ -252,11 +252,15 @@ def _post_gradient_receives(ctx: Context, records: Sequence[Record]) -> dict[Rec
         assert rec.tensor is not None
         g, what = rec.group, _describe(ctx, rec)
         buffer = torch.empty_like(rec.tensor, memory_format=torch.contiguous_format)
-        header = _wire.empty_header(buffer.device) if _wire.checked(g, rec.peer, "bwd-in") else None
-        recvs = [(buffer, rec.peer)] if buffer.numel() else []
-        if header is not None:
-            recvs.insert(0, (header, rec.peer))
-        pairs = start_pairs([], recvs, g, _wire.tag(True, rec.slot), what) if recvs else None
+        checked = _wire.checked(g, rec.peer, "bwd-in")
+        tag = _wire.tag(True, rec.slot)
+        # Checked: the header alone now, the data once it matches (gloo aborts the process
+        # when a message is larger than its buffer); otherwise the data at once.
+        header = _wire.empty_header(buffer.device) if checked else None
+        first = [(header, rec.peer)] if header is not None else []
+        if header is None and buffer.numel():
+            first = [(buffer, rec.peer)]
+        pairs = start_pairs([], first, g, tag, what) if first else None
         count = expected[(g.key, rec.peer)]
         incoming[rec] = _GradientWait(pairs, buffer, header, rec, count, what)
     return incoming
@@ -269,7 +273,7 @@ class _GradientWait:
 
     def __init__(
         self,
-        pairs: object,
+        pairs: Pairs | None,
         buffer: Tensor,
         header: Tensor | None,
         rec: Record,
@@ -285,9 +289,13 @@ class _GradientWait:
 
     def __call__(self) -> Tensor:
         if self.pairs is not None:
-            self.pairs.wait()  # type: ignore[attr-defined]
+            self.pairs.wait()
         if self.header is not None:
             self._check()
+            if self.buffer.numel():
+                rec = self.rec
+                tag = _wire.tag(True, rec.slot)
+                start_pairs([], [(self.buffer, rec.peer)], rec.group, tag, self.what).wait()
         return self.buffer
 
     def _check(self) -> None:

@@ -179,34 +179,31 @@ def irecv(
     tag = _wire.tag(False, slot)
     known = _wire.learned(g, src, slot)
     if _wire.checked(g, src, "fwd-in"):
+        # The header first, its data only once the header matches: gloo aborts the process
+        # when a message is larger than the buffer posted for it.
         header = _wire.empty_header(where)
-        if wanted is not None and dtype is not None:  # both messages at once
-            buffer = torch.empty(wanted, dtype=dtype, device=where)
-            recvs = [(header, src)] + ([(buffer, src)] if buffer.numel() else [])
-            pairs = start_pairs([], recvs, g, tag, what)
+        first = start_pairs([], [(header, src)], g, tag, what)
 
-            def finish_checked() -> Tensor:
-                arrived = _arrived(header, g, src, slot, what)
-                _check(arrived, wanted, dtype, requires_grad, g, src, what)
-                return _received(ctx, g, src, slot, microbatch, buffer, arrived.requires_grad)
+        def finish_checked() -> Tensor:
+            first.wait()
+            arrived = _arrived(header, g, src, slot, what)
+            _check(arrived, wanted, dtype, requires_grad, g, src, what)
+            buffer = torch.empty(arrived.shape, dtype=arrived.dtype, device=where)
+            if buffer.numel():
+                start_pairs([], [(buffer, src)], g, tag, what).wait()
+            return _received(ctx, g, src, slot, microbatch, buffer, arrived.requires_grad)
 
-            return Transfer(pairs, finish_checked)
-        start_pairs([], [(header, src)], g, tag, what).wait()
-        arrived = _arrived(header, g, src, slot, what)
-        _check(arrived, wanted, dtype, requires_grad, g, src, what)
-        buffer = torch.empty(arrived.shape, dtype=arrived.dtype, device=where)
-        grad = arrived.requires_grad
-    else:
-        # Data only: what arrives is what the caller says, else what the checked calls taught.
-        shape_ = wanted if wanted is not None else (known[0] if known else None)
-        dtype_ = dtype if dtype is not None else (known[1] if known else None)
-        if shape_ is None or dtype_ is None:
-            raise CollectiveMismatchError(
-                f"{what} on rank {g.rank}: nothing says what arrives (this transfer had no "
-                "checked call to learn its shape from); pass shape= and dtype= (or like=)"
-            )
-        buffer = torch.empty(shape_, dtype=dtype_, device=where)
-        grad = requires_grad if requires_grad is not None else (known[2] if known else True)
+        return Transfer(None, finish_checked)
+    # Data only: what arrives is what the caller says, else what the checked calls taught.
+    shape_ = wanted if wanted is not None else (known[0] if known else None)
+    dtype_ = dtype if dtype is not None else (known[1] if known else None)
+    if shape_ is None or dtype_ is None:
+        raise CollectiveMismatchError(
+            f"{what} on rank {g.rank}: nothing says what arrives (this transfer had no "
+            "checked call to learn its shape from); pass shape= and dtype= (or like=)"
+        )
+    buffer = torch.empty(shape_, dtype=dtype_, device=where)
+    grad = requires_grad if requires_grad is not None else (known[2] if known else True)
     data = start_pairs([], [(buffer, src)], g, tag, what) if buffer.numel() else None
     return Transfer(data, lambda: _received(ctx, g, src, slot, microbatch, buffer, grad))
 
