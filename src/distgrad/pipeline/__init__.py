@@ -46,16 +46,20 @@ __all__ = [
 
 
 @contextmanager
-def context() -> Iterator[int]:
+def context(*, check: bool = False) -> Iterator[int]:
     """Record this rank's transfers for one distributed backward; yields the context's id.
 
     Every rank enters its own context for the same step (ids are local to each rank; ranks
-    pair transfers by their order, not by id). On leaving, the sends still in flight are
-    waited for, and a context some of whose recorded transfers no backward ran raises
-    :class:`~distgrad.errors.PipelineError` (their peers would wait for those gradients).
+    pair transfers by their order, not by id). ``check=True`` (the same on every rank) has
+    every message of the context carry its header, as the first 8 each way between two ranks
+    do: for a step whose shapes differ from the earlier steps' (a smaller last batch), since
+    after their checked calls transfers send only data in the shapes they announced.
+
+    On leaving, the sends still in flight are waited for, and a context some of whose
+    recorded transfers no backward ran raises :class:`~distgrad.errors.PipelineError` (their peers would wait for those gradients).
     Contexts do not nest on one thread.
     """
-    ctx = _records.open_context()
+    ctx = _records.open_context(check)
     clean = False
     try:
         yield ctx.context_id

@@ -72,6 +72,7 @@ class Context:
     """One distributed autograd context over point-to-point: its transfers and gradients."""
 
     context_id: int
+    check: bool = False  # every message of this context carries its header
     records: list[Record] = field(default_factory=list)
     # (group key, peer, kind) -> how many transfers of that kind with that peer so far
     slots: dict[tuple[tuple[int, str], int, Kind], int] = field(default_factory=dict)
@@ -139,14 +140,14 @@ _contexts: dict[int, Context] = {}
 _current = threading.local()
 
 
-def open_context() -> Context:
+def open_context(check: bool) -> Context:
     if getattr(_current, "ctx", None) is not None:
         raise PipelineError(
             "dg.pipeline.context() entered inside another dg.pipeline context on this thread; "
             "contexts do not nest: leave the first one, or record both steps in one context "
             "with microbatch= labels"
         )
-    ctx = Context(next(_ids))
+    ctx = Context(next(_ids), check)
     with _lock:
         _contexts[ctx.context_id] = ctx
     _current.ctx = ctx

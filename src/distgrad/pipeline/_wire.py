@@ -15,7 +15,10 @@ from the header of its checked calls and keeps them per slot (the k-th transfer 
 between the two ranks); its later calls reuse them, data only. The sender keeps what it
 announced for the same slot and refuses to send another shape unannounced (the receiver would
 read the wrong number of bytes): a transfer's shape is fixed once learned, as in torch's
-``PipelineStage`` (which infers shapes once), unless debug mode checks every call.
+``PipelineStage`` (which infers shapes once). A step whose shapes change (the last, smaller
+batch of an epoch) runs in ``context(check=True)`` on every rank: each of its messages carries
+its header again, and what it announces is kept for the steps after it. (A sender cannot know
+whether its receiver passed ``shape=``, so the rule cannot depend on it.)
 
 **Tags.** On gloo, forward data goes with :data:`FORWARD_TAG` (pairs of ranks are matched in
 order, as the forward is written) and each gradient with ``BACKWARD_TAG + slot``, so that two
@@ -94,13 +97,14 @@ def _forget(groups: list[Group], world_gone: bool) -> None:
 on_forget(_forget)
 
 
-def checked(group: Group, peer: int, what: str) -> bool:
+def checked(group: Group, peer: int, what: str, force: bool) -> bool:
     """Count one message of ``what`` ('fwd-out', 'fwd-in', 'bwd-out', 'bwd-in') with
-    ``peer``; whether it carries a header. Sender and receiver count the same messages."""
+    ``peer``; whether it carries a header (``force``: the context is checked). Sender and
+    receiver count the same messages."""
     key = (group.key, peer, what)
     n = _counts.get(key, 0)
     _counts[key] = n + 1
-    return n < CHECKED or debug_enabled()
+    return n < CHECKED or force or debug_enabled()
 
 
 def tag(backward: bool, slot: int) -> int:
@@ -202,6 +206,7 @@ def announce(
             f"{show(what[0])}, dtype {what[1]}, requires_grad={what[2]}, but its checked calls "
             f"announced shape {show(before[0])}, dtype {before[1]}, requires_grad={before[2]}; "
             "after its first checked calls a transfer sends only its data, so its shape must "
-            "stay fixed: keep microbatch shapes the same from step to step (pad the last batch), "
-            "or turn on debug mode on every rank (DISTGRAD_DEBUG=1), which checks every call"
+            "stay fixed: keep microbatch shapes the same from step to step, or make the step "
+            "whose shapes change in dg.pipeline.context(check=True) on every rank (its "
+            "transfers carry their shapes again; later steps keep the new ones)"
         )

@@ -252,7 +252,7 @@ def _post_gradient_receives(ctx: Context, records: Sequence[Record]) -> dict[Rec
         assert rec.tensor is not None
         g, what = rec.group, _describe(ctx, rec)
         buffer = torch.empty_like(rec.tensor, memory_format=torch.contiguous_format)
-        checked = _wire.checked(g, rec.peer, "bwd-in")
+        checked = _wire.checked(g, rec.peer, "bwd-in", ctx.check)
         tag = _wire.tag(True, rec.slot)
         # Checked: the header alone now, the data once it matches (gloo aborts the process
         # when a message is larger than its buffer); otherwise the data at once.
@@ -336,7 +336,7 @@ def _send_gradient(ctx: Context, rec: Record, records: Sequence[Record]) -> None
     else:
         grad = grad.contiguous()
     sends: list[tuple[Tensor, int]] = []
-    if _wire.checked(g, rec.peer, "bwd-out"):
+    if _wire.checked(g, rec.peer, "bwd-out", ctx.check):
         count = sum(
             r.kind == "recv" and r.group.key == g.key and r.peer == rec.peer for r in records
         )

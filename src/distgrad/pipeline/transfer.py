@@ -106,7 +106,7 @@ def isend(
     ctx = _records.current(op)
     slot = ctx.next_slot("send", g, dst)
     grad = x.requires_grad and torch.is_grad_enabled()
-    checked = _wire.checked(g, dst, "fwd-out")
+    checked = _wire.checked(g, dst, "fwd-out", ctx.check)
     what = _describe(op, g, dst, slot, microbatch)
     _wire.announce(g, dst, slot, (tuple(x.shape), x.dtype, grad), checked, op=what)
     data = x.detach().contiguous()
@@ -178,7 +178,7 @@ def irecv(
     where = torch.device(device) if device is not None else _default_device(g)
     tag = _wire.tag(False, slot)
     known = _wire.learned(g, src, slot)
-    if _wire.checked(g, src, "fwd-in"):
+    if _wire.checked(g, src, "fwd-in", ctx.check):
         # The header first, its data only once the header matches: gloo aborts the process
         # when a message is larger than the buffer posted for it.
         header = _wire.empty_header(where)
