@@ -1,19 +1,23 @@
 """Mistakes in a pipeline program are errors that name the ranks and the transfer, on every
 rank, within the group's timeout or the dead-peer watch's milliseconds; never a hang.
 
-Each rank body catches what it raises and returns ``(error type, first line, when)``, so a
-test can assert what *each* rank saw. A rank that finds a problem with what it received
-raises at once; its peer, waiting for that rank's next message, fails as soon as the rank's
-process is gone (``PeerGoneError``, the watch), or at the group's timeout when it stays.
+A rank that finds a problem with what it received raises at once (its error is in the
+harness's report); its peer, waiting for that rank's next message, fails as soon as the
+rank's process is gone (the dead-peer watch), or at the group's timeout when it stays. The
+peers' bodies catch what they raise and return ``(error type, message, when)``, so a test
+asserts what *each* rank saw.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 
 import distgrad.pipeline as dgp
@@ -21,12 +25,22 @@ from distgrad.errors import RankFailedError
 from distgrad.testing import run_on_ranks
 
 Seen = tuple[str, str, float]
-TIMEOUT_S = 3.0  # the group's timeout in the cases that wait for it
+TIMEOUT_S = 1.5  # the group's timeout in the cases that wait for it
 NAMED_WITHIN_S = 5.0  # after a peer's death (measured: tens of ms; CI machines are loaded)
 
 
 def _seen(exc: BaseException) -> Seen:
     return type(exc).__name__, str(exc), time.time()
+
+
+def _failed(fn: Callable[..., object], *args: object) -> tuple[str, dict[int, Seen]]:
+    """Run ``fn`` on 2 ranks, one of which raises; the harness's report (the raising rank's
+    own error first) and what the others returned."""
+    try:
+        run_on_ranks(fn, 2, args=args, collective_timeout=20, timeout=40)
+    except RankFailedError as failure:
+        return str(failure), failure.results
+    raise AssertionError("no rank raised")
 
 
 def _both_receive(rank: int, world: int) -> Seen | None:
@@ -38,6 +52,7 @@ def _both_receive(rank: int, world: int) -> Seen | None:
     return None
 
 
+@pytest.mark.slow  # 4-5 s: the group's timeout, then the wait for the peers' reports
 def test_a_receive_with_no_matching_send_times_out_naming_the_transfer_on_every_rank() -> None:
     """Both ranks receive and neither sends: each fails at the group's timeout with an error
     that names itself, the transfer and the peer."""
@@ -51,16 +66,16 @@ def test_a_receive_with_no_matching_send_times_out_naming_the_transfer_on_every_
 
 
 def _wrong_shape(rank: int, world: int, dtype: str) -> Seen | None:
+    if rank == 1:  # raises
+        with dgp.context():
+            wanted = torch.float32 if dtype == "dtype" else torch.float64
+            shape = (3, 5) if dtype == "dtype" else (4, 5)
+            dgp.recv(0, shape=shape, dtype=wanted)
     try:
         with dgp.context() as cid:
-            if rank == 0:
-                x = torch.ones(3, 5, dtype=torch.float64, requires_grad=True)
-                dgp.send(x * 2, 1)
-                dgp.backward(cid)  # waits for a gradient that never comes
-            else:
-                wanted = torch.float32 if dtype == "dtype" else torch.float64
-                shape = (3, 5) if dtype == "dtype" else (4, 5)
-                dgp.recv(0, shape=shape, dtype=wanted)
+            x = torch.ones(3, 5, dtype=torch.float64, requires_grad=True)
+            dgp.send(x * 2, 1)
+            dgp.backward(cid)  # waits for a gradient that never comes
     except Exception as exc:
         return _seen(exc)
     return None
@@ -71,45 +86,42 @@ def test_a_received_shape_that_differs_from_the_sent_one_is_named_on_both_ranks(
     CollectiveMismatchError naming both shapes and the sender's rank, before any data is
     read; the sender, waiting for its send to be received, is told the receiver is gone,
     naming the rank and the transfer."""
-    seen = run_on_ranks(_wrong_shape, 2, args=("shape",), collective_timeout=20, timeout=40)
-    kind, message, died = seen[1]
-    assert kind == "CollectiveMismatchError", message
-    assert "dg.pipeline.irecv from rank 0 (transfer 0) on rank 1: rank 0 sends shape (3, 5)" in (
-        message
+    report, seen = _failed(_wrong_shape, "shape")
+    assert "--- rank 1: CollectiveMismatchError: the forward of dg.pipeline.irecv from rank 0 " in (
+        report
     )
-    assert "expects (4, 5)" in message
-    _, message, when = seen[0]
+    assert "(transfer 0) on rank 1: rank 0 sends shape (3, 5) where this rank expects (4, 5)" in (
+        report
+    )
+    _, message, _ = seen[0]
     first = message.splitlines()[0]
     # Waiting in its send (gloo's send waits until the receiver posts a buffer for it).
     assert "rank 0 was in the forward of dg.pipeline.isend to rank 1 (transfer 0)" in first, first
     assert "its connection to rank 1 closed" in first, first
-    assert when - died < NAMED_WITHIN_S + 2.0  # run_on_ranks lets a finished rank wait 2 s
+    assert float(re.search(r"closed, ([0-9.]+) s into the wait", first)[1]) < NAMED_WITHIN_S  # type: ignore[index]
 
 
 def test_a_received_dtype_that_differs_from_the_sent_one_is_named() -> None:
     """The receiver expects float32, the sender sends float64: named on the receiver."""
-    seen = run_on_ranks(_wrong_shape, 2, args=("dtype",), collective_timeout=20, timeout=40)
-    kind, message, _ = seen[1]
-    assert kind == "CollectiveMismatchError", message
-    assert "rank 0 sends dtype torch.float64 where this rank expects torch.float32" in message
+    report, _ = _failed(_wrong_shape, "dtype")
+    assert "--- rank 1: CollectiveMismatchError: " in report, report
+    assert "rank 0 sends dtype torch.float64 where this rank expects torch.float32" in report
 
 
 def _backwards_that_differ(rank: int, world: int) -> Seen | None:
-    try:
+    if rank == 0:  # raises
         with dgp.context() as cid:
-            if rank == 0:
-                x = torch.ones(2, 2, dtype=torch.float64, requires_grad=True)
-                dgp.send(x * 2, 1, microbatch=0)
-                dgp.send(x * 3, 1, microbatch=1)
-                dgp.backward(cid, microbatch=0)
-                dgp.backward(cid, microbatch=1)
-            else:  # both labelled 0: this backward covers two transfers, the peer's one
-                a = dgp.recv(0, microbatch=0)
-                b = dgp.recv(0, microbatch=0)
-                dgp.backward(cid, [(a * b).sum()], microbatch=0)
-        if rank == 1:  # the next step: waits for rank 0, which has stopped at its error
-            with dgp.context():
-                dgp.recv(0)
+            x = torch.ones(2, 2, dtype=torch.float64, requires_grad=True)
+            dgp.send(x * 2, 1, microbatch=0)
+            dgp.send(x * 3, 1, microbatch=1)
+            dgp.backward(cid, microbatch=0)
+    try:
+        with dgp.context() as cid:  # both labelled 0: this backward covers two transfers
+            a = dgp.recv(0, microbatch=0)
+            b = dgp.recv(0, microbatch=0)
+            dgp.backward(cid, [(a * b).sum()], microbatch=0)
+        with dgp.context():  # the next step: waits for rank 0, stopped at its error
+            dgp.recv(0)
     except Exception as exc:
         return _seen(exc)
     return None
@@ -118,14 +130,13 @@ def _backwards_that_differ(rank: int, world: int) -> Seen | None:
 def test_backwards_that_cover_different_transfers_are_an_error_naming_both_counts() -> None:
     """Rank 1's backward of microbatch 0 covers two transfers where rank 0's covers one: rank
     0 raises, naming both counts; rank 1, in its next step, is told rank 0 is gone."""
-    seen = run_on_ranks(_backwards_that_differ, 2, collective_timeout=20, timeout=40)
-    kind, message, _ = seen[0]
-    assert kind == "CollectiveMismatchError", message
+    report, seen = _failed(_backwards_that_differ)
+    assert "--- rank 0: CollectiveMismatchError: " in report, report
     assert "rank 1's backward sends 2 gradient(s) to this rank, where this rank's backward " in (
-        message
+        report
     )
-    assert "covers 1 transfer(s) to rank 1" in message
-    kind, message, _ = seen[1]
+    assert "covers 1 transfer(s) to rank 1" in report
+    _, message, _ = seen[1]
     assert "its connection to rank 0 closed" in message.splitlines()[0], message
 
 
@@ -205,11 +216,13 @@ def _shape_changes(rank: int, world: int) -> Seen | None:
             with dgp.context() as cid:
                 if rank == 0:
                     x = torch.ones(rows, 4, dtype=torch.float64, requires_grad=True)
-                    dgp.send(x * 2, 1)
+                    dgp.send(x * 2, 1)  # raises at the tenth step
                     dgp.backward(cid)
                 else:
                     dgp.backward(cid, [dgp.recv(0).sum()])
     except Exception as exc:
+        if rank == 0:
+            raise
         return _seen(exc)
     return None
 
@@ -218,12 +231,12 @@ def test_a_shape_that_changes_after_the_checked_calls_is_refused_by_the_sender()
     """After its checked calls a transfer sends only data, its shape learned: a sender whose
     shape then changes raises (the receiver would read the wrong bytes), naming both shapes
     and how to keep them fixed; the receiver is told the sender is gone."""
-    seen = run_on_ranks(_shape_changes, 2, collective_timeout=20, timeout=40)
-    kind, message, _ = seen[0]
-    assert kind == "CollectiveMismatchError", message
-    assert "transfer 0 to rank 1 sends shape (2, 4)" in message, message
-    assert "announced shape (3, 4)" in message, message
-    kind, message, _ = seen[1]
+    report, seen = _failed(_shape_changes)
+    assert "--- rank 0: CollectiveMismatchError: " in report, report
+    assert "transfer 0 to rank 1 sends shape (2, 4)" in report, report
+    assert "announced shape (3, 4)" in report, report
+    assert "dg.pipeline.context(check=True)" in report, report
+    _, message, _ = seen[1]
     first = message.splitlines()[0]
     assert "rank 1 was in the forward of dg.pipeline.irecv from rank 0 (transfer 0)" in first
     assert "its connection to rank 0 closed" in first, first
