@@ -270,14 +270,14 @@ def test_a_split_backward_input_half_then_weight_half_equals_one_process() -> No
     run_on_ranks(_split_backward, 2)
 
 
-def _compiled_stage(rank: int, world: int) -> None:
+def _compiled_stage(rank: int, world: int, backend: str) -> None:
     weights = _weights(2)
     x = torch.randn(4, WIDTH, dtype=torch.float64, generator=seeded(1))
     v = torch.randn(4, WIDTH, dtype=torch.float64, generator=seeded(2))
     ref = [w.clone().requires_grad_() for w in weights]
     (_stage(_stage(x, ref[0]), ref[1]) * v).sum().backward()
     w = weights[rank].clone().requires_grad_()
-    compiled = torch.compile(_stage, backend="aot_eager", fullgraph=True)
+    compiled = torch.compile(_stage, backend=backend, fullgraph=True)
     for _ in range(2):
         w.grad = None
         with dgp.context() as cid:
@@ -290,7 +290,8 @@ def _compiled_stage(rank: int, world: int) -> None:
         torch.testing.assert_close(w.grad, ref[rank].grad, **FLOAT64)
 
 
-def test_a_compiled_stage_between_transfers_equals_one_process() -> None:
-    """Each stage compiled (aot_eager, fullgraph) between eager transfers: its forward takes
-    a received tensor, its backward sends the gradient on; equal to one process's."""
-    run_on_ranks(_compiled_stage, 2)
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_a_compiled_stage_between_transfers_equals_one_process(backend: str) -> None:
+    """Each stage compiled (fullgraph) between eager transfers: its forward takes a received
+    tensor, its backward sends the gradient on; equal to one process's."""
+    run_on_ranks(_compiled_stage, 2, args=(backend,), timeout=240)
