@@ -56,8 +56,8 @@ def context(*, check: bool = False) -> Iterator[int]:
     after their checked calls transfers send only data in the shapes they announced.
 
     On leaving, the sends still in flight are waited for, and a context some of whose
-    recorded transfers no backward ran raises :class:`~distgrad.errors.PipelineError` (their peers would wait for those gradients).
-    Contexts do not nest on one thread.
+    recorded transfers no backward ran raises :class:`~distgrad.errors.PipelineError` (their
+    peers would wait for those gradients). Contexts do not nest on one thread.
     """
     ctx = _records.open_context(check)
     clean = False

@@ -31,6 +31,7 @@ when every rank runs the microbatches' backwards in the same order (docs/pipelin
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -111,26 +112,16 @@ def tag(backward: bool, slot: int) -> int:
     return BACKWARD_TAG + slot % _SLOTS if backward else FORWARD_TAG
 
 
+@dataclass(frozen=True, slots=True)
 class Header:
     """A decoded header: what the sender sent."""
 
-    __slots__ = ("count", "dtype", "microbatch", "requires_grad", "shape", "slot")
-
-    def __init__(
-        self,
-        shape: tuple[int, ...],
-        dtype: torch.dtype,
-        requires_grad: bool,
-        slot: int,
-        microbatch: int | None,
-        count: int,
-    ) -> None:
-        self.shape = shape
-        self.dtype = dtype
-        self.requires_grad = requires_grad
-        self.slot = slot
-        self.microbatch = microbatch
-        self.count = count
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+    slot: int
+    microbatch: int | None
+    count: int
 
 
 def encode(

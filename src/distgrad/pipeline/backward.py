@@ -26,6 +26,7 @@ and :func:`backward_weights` later runs the same starts again for the parameters
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -266,26 +267,16 @@ def _post_gradient_receives(ctx: Context, records: Sequence[Record]) -> dict[Rec
     return incoming
 
 
+@dataclass(slots=True)
 class _GradientWait:
     """A send's gradient on its way: calling it waits, checks its header, returns it."""
 
-    __slots__ = ("buffer", "count", "header", "pairs", "rec", "what")
-
-    def __init__(
-        self,
-        pairs: Pairs | None,
-        buffer: Tensor,
-        header: Tensor | None,
-        rec: Record,
-        count: int,
-        what: str,
-    ) -> None:
-        self.pairs = pairs
-        self.buffer = buffer
-        self.header = header
-        self.rec = rec
-        self.count = count
-        self.what = what
+    pairs: Pairs | None
+    buffer: Tensor
+    header: Tensor | None
+    rec: Record
+    count: int
+    what: str
 
     def __call__(self) -> Tensor:
         if self.pairs is not None:
