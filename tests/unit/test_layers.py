@@ -28,6 +28,7 @@ LAYERS: Layers = [
     [["distgrad.collectives"]],  # the differentiable ops, one file per adjoint pair
     # Built on the collectives; rpc stands beside them (it needs only the errors).
     [["distgrad.losses"], ["distgrad.parallel"], ["distgrad.rpc"]],
+    [["distgrad.integrations"]],  # drop-in losses with peer libraries' signatures
     [["distgrad.testing"]],  # run_on_ranks and the checker (run_on_ranks can start RPC)
     [["distgrad.__init__"]],  # the public surface: re-exports only
     [["distgrad._demo"]],  # the demo, a user of the public surface
