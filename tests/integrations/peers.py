@@ -12,7 +12,11 @@ not installed, so only the loss files are executed, by path:
   it is) and ``lightly.models.modules.memory_bank``, whose module imports torchvision: it is
   given here as a bank of size 0 (``forward`` returns the output and no negatives, as
   lightly's does at size 0), the only size the drop-in accepts;
-* sentence-transformers: ``tests/losses/mnrl.py`` (its stubs, and why).
+* sentence-transformers: ``tests/losses/mnrl.py`` (its stubs, and why). The cached loss,
+  ``cached_multiple_negatives_ranking.py``, also imports ``base/losses/gradcache.py`` (executed
+  by path too: torch, packaging) and tqdm (not installed: given as a bar that draws nothing);
+  its constructor's check for a ``StaticEmbedding`` model reads the package's model modules
+  (transformers), so it is replaced by ``False`` (the tests' encoder is a linear layer).
 """
 
 from __future__ import annotations
@@ -27,7 +31,15 @@ from torch import Tensor, nn
 
 from tests.losses import mnrl
 
-__all__ = ["OPEN_CLIP", "LIGHTLY", "installed", "lightly_loss", "open_clip_loss", "st_loss"]
+__all__ = [
+    "LIGHTLY",
+    "OPEN_CLIP",
+    "installed",
+    "lightly_loss",
+    "open_clip_loss",
+    "st_cached_loss",
+    "st_loss",
+]
 
 OPEN_CLIP = "open_clip_torch==3.3.0"
 LIGHTLY = "lightly==1.6.0"
@@ -112,3 +124,38 @@ def st_loss() -> ModuleType:
     if "st" not in _CACHE:
         _CACHE["st"] = mnrl._load()
     return _CACHE["st"]
+
+
+def _no_bar(iterable: Any = None, *args: Any, **kwargs: Any) -> Any:
+    return iterable
+
+
+def _range(*args: Any, **kwargs: Any) -> range:
+    return range(*args)
+
+
+def st_cached_loss() -> ModuleType:
+    """sentence-transformers' ``cached_multiple_negatives_ranking.py``
+    (``CachedMultipleNegativesRankingLoss``), with its gradcache module."""
+    if "st_cached" not in _CACHE:
+        path = mnrl.loss_module_path()
+        assert path is not None, "sentence-transformers is not installed"
+        root = path.parents[2]  # .../sentence_transformers
+        stubs = mnrl._stubs()
+        bar = ModuleType("tqdm")
+        bar.tqdm = _no_bar  # type: ignore[attr-defined]
+        bar.trange = _range  # type: ignore[attr-defined]
+        stubs["tqdm"] = bar
+        losses = "sentence_transformers.sentence_transformer.losses"
+        stubs[losses] = ModuleType(losses)
+        stubs[f"{losses}.multiple_negatives_ranking"] = st_loss()
+        name = "sentence_transformers.base.losses.gradcache"
+        stubs[name] = _exec(name, root / "base" / "losses" / "gradcache.py", stubs)
+        cached = _exec(
+            "peer_st_cached",
+            root / "sentence_transformer" / "losses" / "cached_multiple_negatives_ranking.py",
+            stubs,
+        )
+        cached.has_static_embedding_input = lambda model: False  # type: ignore[attr-defined]
+        _CACHE["st_cached"] = cached
+    return _CACHE["st_cached"]

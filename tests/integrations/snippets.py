@@ -119,16 +119,18 @@ class TwoTower(nn.Module):
 class Encoder(nn.Module):
     """A sentence encoder in miniature: ``model(features)["sentence_embedding"]``, as a
     SentenceTransformer returns it (its inputs float rows standing in for token ids); also
-    lightly's backbone and head (called on a tensor)."""
+    lightly's backbone and head (called on a tensor). ``dropout``: before the layer, to show
+    that a cached loss replays each mini-batch's masks."""
 
-    def __init__(self) -> None:
+    def __init__(self, dropout: float = 0.0) -> None:
         super().__init__()
         gen = torch.Generator().manual_seed(4)
+        self.dropout = nn.Dropout(dropout)
         self.layer = nn.Linear(5, 4, dtype=torch.float64)
         for p in self.parameters():
             p.data = torch.randn(p.shape, dtype=torch.float64, generator=gen)
 
     def forward(self, features: Any) -> Any:
         if isinstance(features, Tensor):
-            return self.layer(torch.tanh(features))
-        return {"sentence_embedding": self.layer(torch.tanh(features["input_ids"]))}
+            return self.layer(self.dropout(torch.tanh(features)))
+        return {"sentence_embedding": self.layer(self.dropout(torch.tanh(features["input_ids"])))}

@@ -214,7 +214,10 @@ class CachedMultipleNegativesRankingLoss(MultipleNegativesRankingLoss):
     backward returns every rank's gradient of a row to its owner, so the cache holds this
     rank's rows' whole gradient: W times their single-process one, as the uncached loss
     gives); and returns the value. Its backward (3) embeds each mini-batch again, with the
-    same RNG state, and back-propagates its cached gradient times the loss's. Under
+    same RNG state, and back-propagates its cached gradient times the loss's (a scalar the
+    same on every rank in training: 1, a loss scale or an accumulation factor; since the
+    loss's own backward already ran in the forward, a rank's factor scales its replay only,
+    as in sentence-transformers' cached loss). Under
     DistributedDataParallel every replay but the last runs under ``no_sync()``, so the
     gradients are averaged once.
 
