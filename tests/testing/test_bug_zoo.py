@@ -22,10 +22,11 @@ ZOO = Path(__file__).resolve().parents[2] / "examples" / "bug_zoo"
 DIAGNOSES = {
     "lightly_1920_sigreg": "every gradient is scaled by 1/2 (z)",
     "lightly_1977_barlow_twins": "every gradient is scaled by 1/2 (z1 and z2)",
-    "st_3453_pnnpnn": "the forward pass already differs",
+    "st_3453_pnnpnn": "fit no convention (each rank's loss equal to the single-process 3.17676, "
+    "or their sum equal to it, or to N times it); their mean is 3.39 times it",
     "open_clip_616_all_gather": "every gradient is scaled by 2 (image and text)",
     "open_clip_default_cliploss": "every gradient is scaled by 1/2 (image and text)",
-    "stable_pretraining_409": "the forward pass already differs",
+    "stable_pretraining_409": "their mean is 0.683 times it",
     "logit_scale_double_average": "the gradient of param logit_scale (images, texts, "
     "param image.weight and param text.weight agree) is scaled by 2",
 }

@@ -286,7 +286,9 @@ def _loss_words(
         return [
             f"the forward pass already differs: the ranks' losses {_floats(report.losses)} fit "
             "no convention (each rank's loss equal to the single-process "
-            f"{report.reference_loss:.6g}, or their sum equal to it, or to N times it). Check "
+            f"{report.reference_loss:.6g}, or their sum equal to it, or to N times it)"
+            + _mean_ratio(report)
+            + ". Check "
             "the sharding, the labels or offsets each rank uses, and that statistics are "
             "computed over the global batch."
             + (
@@ -392,6 +394,15 @@ def _subject(failing: Sequence[Row], rows: Sequence[Row]) -> str:
     if agreeing:
         text += f" ({_listing(agreeing)} {'agrees' if len(agreeing) == 1 else 'agree'})"
     return text + (" is" if len(parts) == 1 else " are")
+
+
+def _mean_ratio(report: GradReport) -> str:
+    """How far the ranks' mean loss is from the single-process loss, e.g. "; their mean is
+    3.39 times it": the size of a forward bug in one figure."""
+    mean, reference = sum(report.losses) / len(report.losses), report.reference_loss
+    if not (math.isfinite(mean) and math.isfinite(reference)) or reference == 0:
+        return ""
+    return f"; their mean is {mean / reference:.3g} times it"
 
 
 def _every(failing: Sequence[Row], rows: Sequence[Row]) -> str:
