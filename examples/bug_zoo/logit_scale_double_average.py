@@ -28,8 +28,7 @@ import distgrad as dg
 class TwoTower(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.image = nn.Linear(5, 4, bias=False, dtype=torch.float64)
-        self.text = nn.Linear(6, 4, bias=False, dtype=torch.float64)
+        self.image, self.text = (nn.Linear(5, 4, bias=False, dtype=torch.float64) for _ in range(2))
         self.logit_scale = nn.Parameter(torch.tensor(math.log(10.0), dtype=torch.float64))
 
 
@@ -61,7 +60,7 @@ def make_inputs() -> dict[str, Tensor]:
     gen = torch.Generator().manual_seed(6)
     return {
         "images": torch.randn(8, 5, dtype=torch.float64, generator=gen),
-        "texts": torch.randn(8, 6, dtype=torch.float64, generator=gen),
+        "texts": torch.randn(8, 5, dtype=torch.float64, generator=gen),
     }
 
 
