@@ -77,6 +77,7 @@ def test_what_is_moot_is_accepted() -> None:
     open_clip.ClipLoss(local_loss=True, gather_with_grad=True, cache_labels=True)
     open_clip.SigLipLoss(cache_labels=True, dist_impl="shift")
     lightly.NTXentLoss(memory_bank_size=0, gather_distributed=True)
+    lightly.NTXentLoss(memory_bank_size=(0, 128))  # lightly's bank, disabled
     lightly.BarlowTwinsLoss(lambda_param=0.01, gather_distributed=True)
     loss = st.CachedMultipleNegativesRankingLoss(
         None,

@@ -10,7 +10,8 @@ constructors take lightly 1.6's arguments, the forwards its signature. What each
   gradient. (lightly with ``gather_distributed=False`` takes negatives, or the
   cross-correlation, from the local batch only; Barlow Twins with it still standardises each
   rank's embeddings with that rank's own batch statistics.)
-* ``memory_bank_size`` other than 0 (MoCo's queue of past negatives): refused. A bank's
+* ``memory_bank_size`` with entries (MoCo's queue of past negatives: ``(4096, dim)``): refused;
+  ``0`` and ``(0, dim)``, which disable lightly's bank, are accepted. A bank's
   entries carry no gradient and come from earlier steps, so no single-process computation on
   the current batch is its truth; use lightly's own loss for MoCo.
 * ``temperature`` must be positive (lightly accepts a negative one; a negative temperature
@@ -54,7 +55,8 @@ class NTXentLoss(nn.Module):
         sizes: Sequence[int] | None = None,
     ) -> None:
         super().__init__()
-        if memory_bank_size not in (0, (0,), [0]):
+        entries = memory_bank_size if isinstance(memory_bank_size, int) else memory_bank_size[0]
+        if entries != 0:  # lightly: (0, dim) and 0 disable the bank
             raise refuse(
                 "NTXentLoss",
                 "memory_bank_size",
