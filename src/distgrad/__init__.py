@@ -6,7 +6,7 @@ The objective every gradient refers to is the sum over ranks of what each rank b
 
 from __future__ import annotations
 
-from distgrad import errors, losses, parallel, pipeline, rpc, testing
+from distgrad import errors, integrations, losses, parallel, pipeline, rpc, testing
 from distgrad._exchange.async_op import AsyncTensor
 from distgrad._exchange.guard import set_guard
 from distgrad._exchange.handshake import set_debug
@@ -30,6 +30,7 @@ __all__ = [
     "broadcast",
     "errors",
     "gather",
+    "integrations",
     "losses",
     "parallel",
     "permute",

@@ -14,6 +14,8 @@ The hierarchy::
     ├── PipelineError              distributed autograd over point-to-point (distgrad.pipeline)
     │                              was misused or failed (a RuntimeError)
     ├── RankFailedError            a process started by run_on_ranks failed or timed out
+    ├── UnsupportedOptionError     a drop-in loss (distgrad.integrations) was given a peer
+    │                              library's option it cannot honour (a ValueError)
     └── RpcAutogradError           distributed autograd over RPC failed (a RuntimeError, as
         │                          torch.distributed.autograd raises)
         └── UnknownContextError    the autograd context id is not known on this worker
@@ -41,6 +43,7 @@ __all__ = [
     "RankFailedError",
     "RpcAutogradError",
     "UnknownContextError",
+    "UnsupportedOptionError",
 ]
 
 
@@ -102,6 +105,15 @@ class RankFailedError(DistgradError):
     def __init__(self, message: str, results: dict[int, Any] | None = None) -> None:
         super().__init__(message)
         self.results: dict[int, Any] = dict(results or {})
+
+
+class UnsupportedOptionError(DistgradError, ValueError):
+    """A drop-in loss of :mod:`distgrad.integrations` was given an option of its peer library
+    that it cannot honour exactly (a memory bank, a hardness weighting, horovod, ...).
+
+    Raised when the loss is built, before any data moves; the message names the argument, what
+    was passed and what to do instead.
+    """
 
 
 class RpcAutogradError(DistgradError, RuntimeError):

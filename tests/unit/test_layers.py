@@ -29,6 +29,7 @@ LAYERS: Layers = [
     # Built on the collectives; rpc stands beside them (it needs only the errors), and so does
     # pipeline (distributed autograd over c10d point-to-point: the exchange layer's pairs).
     [["distgrad.losses"], ["distgrad.parallel"], ["distgrad.rpc"], ["distgrad.pipeline"]],
+    [["distgrad.integrations"]],  # drop-in losses with peer libraries' signatures
     [["distgrad.testing"]],  # run_on_ranks and the checker (run_on_ranks can start RPC)
     [["distgrad.__init__"]],  # the public surface: re-exports only
     [["distgrad._demo"]],  # the demo, a user of the public surface

@@ -18,6 +18,7 @@ PUBLIC = [
     "broadcast",
     "errors",
     "gather",
+    "integrations",
     "losses",
     "parallel",
     "permute",

@@ -286,7 +286,9 @@ def _loss_words(
         return [
             f"the forward pass already differs: the ranks' losses {_floats(report.losses)} fit "
             "no convention (each rank's loss equal to the single-process "
-            f"{report.reference_loss:.6g}, or their sum equal to it, or to N times it). Check "
+            f"{report.reference_loss:.6g}, or their sum equal to it, or to N times it)"
+            + _mean_ratio(report)
+            + ". Check "
             "the sharding, the labels or offsets each rank uses, and that statistics are "
             "computed over the global batch."
             + (
@@ -304,15 +306,17 @@ def _loss_words(
         return [_share_advice(n)] if averaged and not near(j, n, tol.rtol) else []
     if isinstance(finding, Scaled):
         subject = _subject(finding.failing, rows)
+        which = _every(finding.failing, rows)
         if finding.size is None:
             return [
-                f"{subject} scaled by {finding.factor:.4g} against the single-process gradient."
+                f"{subject} scaled by {finding.factor:.4g}{which} against the single-process "
+                "gradient."
             ]
         if finding.factor < 1 and near(j, 1.0, tol.rtol) and averaged:
-            return [f"{subject} scaled by 1/{n}: " + _share_advice(n)]
+            return [f"{subject} scaled by 1/{n}{which}: " + _share_advice(n)]
         if finding.factor < 1:
             return [
-                f"{subject} scaled by 1/{n}: the backward keeps only this rank's part of "
+                f"{subject} scaled by 1/{n}{which}: the backward keeps only this rank's part of "
                 "the gradient (a GatherLayer whose backward returns only the local slice, "
                 "objective='replicated', or overwriting this rank's slot of a raw all_gather). "
                 "Use dg.all_gather with its default sum contract, whose backward sums every "
@@ -322,9 +326,10 @@ def _loss_words(
             f"divide each rank's loss by {n}, or average the gradients over ranks as DDP does"
             if not averaged
             else "check that each rank's loss is not already summed over ranks (for example "
-            "with an all_reduce) before the backward"
+            "with an all_reduce) before the backward, and that no custom backward all-reduces "
+            "a parameter's gradient that DDP then averages again"
         )
-        return [f"{subject} scaled by {n}: {advice}."]
+        return [f"{subject} scaled by {n}{which}: {advice}."]
     if isinstance(finding, NoGradient):
         return [
             f"no gradient reaches {finding.row.name} on rank {_rank(finding.row)}: a raw "
@@ -389,6 +394,23 @@ def _subject(failing: Sequence[Row], rows: Sequence[Row]) -> str:
     if agreeing:
         text += f" ({_listing(agreeing)} {'agrees' if len(agreeing) == 1 else 'agree'})"
     return text + (" is" if len(parts) == 1 else " are")
+
+
+def _mean_ratio(report: GradReport) -> str:
+    """How far the ranks' mean loss is from the single-process loss, e.g. "; their mean is
+    3.39 times it": the size of a forward bug in one figure."""
+    mean, reference = sum(report.losses) / len(report.losses), report.reference_loss
+    if not (math.isfinite(mean) and math.isfinite(reference)) or reference == 0:
+        return ""
+    return f"; their mean is {mean / reference:.3g} times it"
+
+
+def _every(failing: Sequence[Row], rows: Sequence[Row]) -> str:
+    """Where "every gradient" is the subject, the tensors it means, e.g. " (image and text)":
+    a reader of the diagnosis alone learns which tensors are wrong without the table."""
+    if len(failing) != len(rows):
+        return ""
+    return f" ({_listing(list(dict.fromkeys(r.name for r in failing)))})"
 
 
 def _listing(items: Sequence[str]) -> str:
