@@ -539,18 +539,23 @@ class PipelineReport(ModelReport):
         )
         for c in self.checks:
             if not c.ok or c.step == 0:
-                shown = "ok" if c.ok else c.diagnosis
+                shown = "ok" if c.ok else c.diagnosis.split(": ")[0]  # its head; in full below
                 held = ",".join(str(s) for s in c.stages)
                 lines.append(
                     f"{c.name:<28} {held:<7} {c.step:>4} {c.what:<6} {c.max_abs_error:>11.2e}  "
                     f"{shown}"
                 )
         lines.append("Diagnosis:")
-        wrong = {k: d for k, d in self.diagnoses.items() if d != "agree"}
-        if not wrong:
+        found = self.diagnoses
+        grouped: dict[str, list[str]] = {}
+        for name, diagnosis in found.items():
+            if diagnosis != "agree":
+                grouped.setdefault(diagnosis, []).append(name)
+        if not grouped:
             lines.append("- every parameter's gradient and update agree with one process")
-        for name, diagnosis in wrong.items():
-            lines.append(f"- {name}: {diagnosis}")
+        for diagnosis, names in grouped.items():
+            who = "every parameter" if len(names) == len(found) > 1 else ", ".join(names)
+            lines.append(f"- {who}: {diagnosis}")
         return "\n".join(lines)
 
 

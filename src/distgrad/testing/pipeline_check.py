@@ -254,7 +254,13 @@ def _wrapped(job: _Job, stage: nn.Module, mesh: Any) -> nn.Module:
     if job.data_parallel == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
-        return DistributedDataParallel(stage, process_group=dp_mesh.get_group())
+        # find_unused_parameters=True keeps DDP's reducer from rebuilding its buckets after the
+        # first step, which fails under torch's schedules (measured, torch 2.13, GPipe on a
+        # 2x2 mesh: the second step's forward raises "rebuilt parameter indices size is not
+        # same as original model parameters size ... 8 versus 16"; 1F1B survives it).
+        return DistributedDataParallel(
+            stage, process_group=dp_mesh.get_group(), find_unused_parameters=True
+        )
     assert callable(job.data_parallel)
     return job.data_parallel(stage, dp_mesh)
 
