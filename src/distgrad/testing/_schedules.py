@@ -37,6 +37,7 @@ SCHEDULE_NAMES = (
     "DualPipeV",
 )
 _V_SCHEDULES = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
+_SPLIT = ("ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV")
 _ROUNDS = ("ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble")
 
 
@@ -53,6 +54,14 @@ class Plan:
     stages_per_rank: int = 1
     layout: Layout = "loop"
     single: bool = True  # a PipelineScheduleSingle: the schedule takes one stage, not a list
+
+    @property
+    def splits_backward(self) -> bool | None:
+        """Whether each stage's backward is an input-gradient step and a separate
+        weight-gradient step (the zero-bubble schedules); None for a program (unknown)."""
+        if self.schedule is None:
+            return None
+        return any(b.__name__ in _SPLIT for b in self.schedule.__mro__)
 
     @property
     def n_stages(self) -> int:

@@ -213,32 +213,36 @@ def _torch_runner(
     return run
 
 
-def _split(job: _Job, model: nn.Module, rank: int) -> list[nn.Module]:
+def _split(job: _Job, model: nn.Module, rank: int | None) -> list[nn.Module]:
     n = job.plan.n_stages
     stages = list(job.split(model, n))
     if len(stages) != n or not all(isinstance(s, nn.Module) for s in stages):
         kinds = [type(s).__name__ for s in stages]
         raise CheckArgumentError(
-            f"check_pipeline on rank {rank}: split(model, {n}) must return {n} stage modules "
+            f"check_pipeline{_on(rank)}: split(model, {n}) must return {n} stage modules "
             f"(nn.Module), got {len(stages)}: {kinds}"
         )
     return stages
 
 
-def _full_names(model: nn.Module, stage: nn.Module, index: int, rank: int) -> dict[str, str]:
+def _full_names(model: nn.Module, stage: nn.Module, index: int, rank: int | None) -> dict[str, str]:
     """Stage-local parameter name -> the full model's name of the same parameter object."""
     full = {id(p): n for n, p in model.named_parameters()}
     names = {}
     for local, p in stage.named_parameters():
         if id(p) not in full:
             raise CheckArgumentError(
-                f"check_pipeline on rank {rank}: stage {index}'s parameter {local!r} is not a "
+                f"check_pipeline{_on(rank)}: stage {index}'s parameter {local!r} is not a "
                 "parameter of the model make_model() returned: split must return modules "
                 "holding the model's own parameters (its submodules, or modules built around "
                 "them), not copies"
             )
         names[local] = full[id(p)]
     return names
+
+
+def _on(rank: int | None) -> str:
+    return "" if rank is None else f" on rank {rank}"
 
 
 def _wrapped(job: _Job, stage: nn.Module, mesh: Any) -> nn.Module:
@@ -384,6 +388,9 @@ def check_pipeline(
         make_model, split, loss_fn, state_of(model), tensors[:-1], tensors[-1], resolved,
         shape, names, data_parallel, finalize_grads, n_microbatches, steps, optimizer,
     )  # fmt: skip
+    probe = made(make_model, job.state)  # split's result checked before any process starts
+    for index, stage in enumerate(_split(job, probe, None)):
+        _full_names(probe, stage, index, None)
     ref_losses, ref = _reference(job, model, dp)
     tol = Tolerance.default(list(model.parameters()), rtol, atol)
     results: list[_RankRun] = run_on_ranks(_on_rank, world_size, args=(job,), timeout=timeout)
@@ -573,16 +580,22 @@ class _Reader:
             "reach the model's output, or the backward never runs)"
         b = later[0]
         if all(t in missing for t in range(b)):
-            text = (
-                f": stages 0-{b - 1} receive no gradient while stage {b} does, so the gradient "
-                f"never crosses the boundary from stage {b} back to stage {b - 1} (a detached "
-                f"activation at that boundary: stage {b - 1}'s output or stage {b}'s input)"
-            )
             if b == 1:
-                text = (
+                return head + (
                     ": stage 0 receives no gradient while stage 1 does: the activation stage 0 "
                     "sends stage 1 is detached (at stage 0's output or stage 1's input), or "
                     "stage 0's weight-gradient step never runs"
+                )
+            text = (
+                f": stages 0-{b - 1} receive no gradient while stage {b} does: the gradient "
+                f"stops at a detached activation at the boundary into stage {b}"
+            )
+            if self.job.plan.splits_backward is not False:
+                text += (
+                    f", or into stage {b - 1} (where the backward is split, as in the "
+                    "zero-bubble schedules, a stage's weight step follows from its input-"
+                    "gradient step, which a detached input ends, so that stage loses its "
+                    "weight gradient too)"
                 )
             return head + text
         return head + (
