@@ -12,7 +12,7 @@ by the schedule's loss and again by torch's ``scale_grads``, or not at all
 (``scale_grads=False``); an activation detached at a stage boundary; a zero-bubble schedule
 whose stage 1 never runs its weight-gradient step; and a hand-written program (``isend``/
 ``irecv`` and a manual backward, as torch's stage does) right, without its division by the
-number of microbatches, and with a detached boundary.
+number of microbatches, divided by the number of stages too, and with a detached boundary.
 """
 
 from __future__ import annotations
@@ -169,6 +169,7 @@ def _program(
     *,
     divide: bool = True,
     detach: bool = False,
+    per_stage: bool = False,
 ) -> list[Tensor] | None:
     (stage,), (s,) = stages, indices
     n_stages, n = len(micro.stage_ranks), len(micro)
@@ -187,6 +188,7 @@ def _program(
             loss = loss_fn(y, micro.targets[i])
             losses.append(loss.detach())
             y = loss / n if divide else loss
+            y = y / n_stages if per_stage else y
         else:
             dist.isend(y.detach().contiguous(), nxt, group=group).wait()
         saved.append((x, y))
@@ -210,6 +212,12 @@ def hand_program(*args: Any) -> list[Tensor] | None:
 def hand_program_undivided(*args: Any) -> list[Tensor] | None:
     """The mistake: the loss is never divided by the number of microbatches."""
     return _program(*args, divide=False)
+
+
+def hand_program_over_stages(*args: Any) -> list[Tensor] | None:
+    """The mistake: the loss divided by the number of stages too, as if pp were data
+    parallel."""
+    return _program(*args, per_stage=True)
 
 
 def hand_program_detached(*args: Any) -> list[Tensor] | None:

@@ -25,6 +25,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -241,6 +242,10 @@ def _full_names(model: nn.Module, stage: nn.Module, index: int, rank: int | None
     return names
 
 
+def _listing(items: Sequence[str]) -> str:
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
 def _on(rank: int | None) -> str:
     return "" if rank is None else f" on rank {rank}"
 
@@ -289,7 +294,7 @@ def check_pipeline(
     batch: Sequence[Tensor],
     loss_fn: LossFn,
     *,
-    schedule: str | type | PipelineProgram | Any = "1F1B",
+    schedule: str | type | PipelineProgram | functools.partial[Any] = "1F1B",
     world_size: int = 2,
     stages_per_rank: int | None = None,
     n_microbatches: int = 4,
@@ -510,6 +515,7 @@ class _Reader:
                     self.holders[name].append(s)
         for stages in self.holders.values():
             stages.sort()
+        self.scaled = job.plan.schedule is not None and job.plan.kwargs.get("scale_grads", True)
         dp = job.dp_dim()
         self.dp = (job.mesh_dim_names[dp], job.mesh_shape[dp]) if dp is not None else None
         n, n_stages = job.n_microbatches, job.plan.n_stages
@@ -652,4 +658,15 @@ class _Reader:
         dims = [("stages", len(slots))] + ([self.dp] if self.dp is not None else [])
         finding = diagnose(rows, self.tol, sizes=self.sizes, replica_dims=dims)
         text = pipeline_words(finding, rows, self.tol, [self._where(s) for s in slots])
+        ranks = {self.job.plan.ranks[s] for s in slots}
+        if text.startswith("wrong") and len(slots) > 1 and len(ranks) == 1 and self.scaled:
+            # Measured (ZBVZeroBubble, a tied embedding on stages 0 and 3 of rank 0): wrong by
+            # 0.4034; with scale_grads=False and the loss divided by n_microbatches, it agrees.
+            text += (
+                f"; {_listing([f'stage {s}' for s in slots])} share this one parameter on "
+                f"rank {ranks.pop()}, and torch's schedule divides each stage's gradients by "
+                "the number of microbatches on its own (scale_grads), so the shared gradient "
+                "is divided more than once, part way through its accumulation (pass "
+                "scale_grads=False and a loss divided by n_microbatches instead)"
+            )
         return ParameterCheck(step, name, what, False, err, text, held)
