@@ -223,3 +223,17 @@ def hand_program_over_stages(*args: Any) -> list[Tensor] | None:
 def hand_program_detached(*args: Any) -> list[Tensor] | None:
     """The mistake: the received activation is used detached (no gradient recorded)."""
     return _program(*args, detach=True)
+
+
+def program_never_sends(
+    stages: Sequence[nn.Module], indices: Sequence[int], micro: Any, loss_fn: Any, group: Any
+) -> list[Tensor] | None:
+    """The mistake: stage 0 never sends its activation, so stage 1 waits for it."""
+    (stage,), (s,) = stages, indices
+    if s == 0:
+        for inputs in micro.inputs:
+            stage(inputs[0])
+        return None
+    x = torch.empty(ROWS // len(micro), D, dtype=DT)
+    dist.irecv(x, dist.get_global_rank(group, micro.stage_ranks[0]), group=group).wait()
+    return None

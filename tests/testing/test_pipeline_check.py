@@ -21,10 +21,12 @@ mesh, "missing an average over mesh dim 'dp'".
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
-from distgrad.errors import CheckArgumentError, GradientMismatchError
+from distgrad.errors import CheckArgumentError, GradientMismatchError, RankFailedError
 from distgrad.testing import PipelineReport, check_pipeline
 from distgrad.testing._schedules import SCHEDULE_NAMES, stage_ranks
 from tests.testing import pipelines_to_check as m
@@ -344,3 +346,14 @@ def test_ddp_under_torchs_zero_bubble_schedules_misses_the_dp_average(
     for stage, found in per_stage.items():
         want = "missing an average over mesh dim 'dp'" if stage in unaveraged else "agree"
         assert found == {want}, str(report)
+
+
+@pytest.mark.slow
+def test_a_program_whose_stage_never_sends_fails_within_the_timeout() -> None:
+    """Nothing hangs: stage 1 waits for an activation stage 0 never sends; the check fails
+    with RankFailedError naming the waiting rank within the group timeout (a third of
+    ``timeout``), not at pytest's backstop."""
+    start = time.monotonic()
+    with pytest.raises(RankFailedError, match=r"rank 1"):
+        _mlp(m.program_never_sends, timeout=12.0)
+    assert time.monotonic() - start < 12.0
