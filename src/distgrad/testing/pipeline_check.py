@@ -144,8 +144,10 @@ def _on_rank(rank: int, world_size: int, job: _Job) -> _RankRun:
     own = sorted(s for s, r in ranks.items() if r == coords[job.pp])
     model = made(job.make_model, job.state)
     stages = _split(job, model, rank)
-    mods = [_wrapped(job, stages[s], mesh) for s in own]
+    # Named before wrapping: a wrapper may replace the parameter objects (FSDP2's DTensors),
+    # never their names within the stage (DDP's "module." is dropped by plain_named).
     names = [_full_names(model, stages[s], s, rank) for s in own]
+    mods = [_wrapped(job, stages[s], mesh) for s in own]
     dp = job.dp_dim()
     index, parts = (coords[dp], job.mesh_shape[dp]) if dp is not None else (0, 1)
     inputs = tuple(t.tensor_split(parts)[index] for t in job.inputs)
