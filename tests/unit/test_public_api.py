@@ -9,6 +9,7 @@ import re
 import distgrad
 import distgrad.collectives
 import distgrad.errors
+import distgrad.testing
 
 PUBLIC = [
     "AsyncTensor",
@@ -44,6 +45,27 @@ COLLECTIVES = [
     "reduce_scatter",
     "scatter",
 ]
+
+
+TESTING = [
+    "GradReport",
+    "Microbatches",
+    "ModelReport",
+    "ParameterCheck",
+    "PipelineProgram",
+    "PipelineReport",
+    "TensorCheck",
+    "check_against_single_process",
+    "check_parallel_model",
+    "check_pipeline",
+    "run_on_ranks",
+]
+
+
+def test_testing_exports_are_pinned_and_documented() -> None:
+    assert distgrad.testing.__all__ == TESTING
+    for name in TESTING:
+        assert getattr(distgrad.testing, name).__doc__, f"testing.{name} has no docstring"
 
 
 def test_collectives_exports_are_pinned_and_sorted() -> None:

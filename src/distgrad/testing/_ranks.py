@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from distgrad.testing import _simulate
 from distgrad.testing.launch import run_on_ranks
 
-__all__ = ["Job", "copy_on", "made", "run_job", "state_of"]
+__all__ = ["Job", "copy_on", "full_value", "made", "plain_named", "run_job", "state_of"]
 
 _R = TypeVar("_R")
 
@@ -55,3 +55,26 @@ def made(make_model: Callable[[], nn.Module], state: dict[str, Tensor]) -> nn.Mo
 def copy_on(t: Tensor | None, rank: int) -> Tensor | None:
     """Rank ``rank``'s value of ``t``, a detached copy (a plain tensor's value is its own)."""
     return None if t is None else _simulate.local(t, rank).detach().clone()
+
+
+# What wrappers insert into parameter names (DDP, FSDP1, activation checkpointing, compile).
+_WRAPPERS = ("module", "_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")
+
+
+def plain_named(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The parameters under the names the plain model gives them, wrappers' parts dropped."""
+    return [
+        (".".join(part for part in name.split(".") if part not in _WRAPPERS), p)
+        for name, p in model.named_parameters()
+    ]
+
+
+def full_value(t: Tensor | None) -> Tensor | None:
+    """A DTensor's whole value (a collective over its mesh), or the local tensor, detached."""
+    if t is None:
+        return None
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        t = t.full_tensor()
+    return t.detach().clone()

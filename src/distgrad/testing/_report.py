@@ -40,10 +40,12 @@ __all__ = [
     "GradReport",
     "ModelReport",
     "ParameterCheck",
+    "PipelineReport",
     "RunResult",
     "TensorCheck",
     "build_report",
     "parameter_words",
+    "pipeline_words",
 ]
 
 Combine = Literal["averaged", "summed"]
@@ -432,6 +434,8 @@ class ParameterCheck:
     ok: bool
     max_abs_error: float
     diagnosis: str
+    #: In a pipeline (check_pipeline), the stages holding the parameter (two for a tied one).
+    stages: tuple[int, ...] = ()
 
 
 @dataclass
@@ -522,4 +526,89 @@ def parameter_words(finding: Finding, rows: Sequence[Row], tol: Tolerance) -> st
         f"wrong: no reduction over a mesh dim or factor explains it ({how}; best scale "
         f"{shown}): terms are missing, as when a local-only backward (a GatherLayer) drops the "
         "gradient that flows through other ranks' rows"
+    )
+
+
+@dataclass
+class PipelineReport(ModelReport):
+    """What :func:`~distgrad.testing.check_pipeline` found; ``ok`` when every stage's copy
+    of every parameter has the single-process gradient and update. ``rank_losses`` holds, at
+    each step, each data-parallel replica's loss (the mean over its microbatches; NaN when a
+    program reports none); each check's ``stages`` the stages holding its parameter."""
+
+    schedule: str = ""
+    n_microbatches: int = 1
+    stage_ranks: dict[int, int] = field(default_factory=dict)  # stage -> pipeline rank
+
+    def __str__(self) -> str:
+        n = len(self.stage_ranks)
+        layout = ", ".join(f"{s}->{r}" for s, r in sorted(self.stage_ranks.items()))
+        mesh = ", ".join(
+            f"{d}={s}" for d, s in zip(self.mesh_dim_names, self.mesh_shape, strict=True)
+        )
+        lines = [
+            f"pipeline {self.schedule}: {n} stages (stage->pipeline rank {layout}), "
+            f"{self.n_microbatches} microbatches, mesh ({mesh}); {len(self.reference_losses)} "
+            "step(s)"
+        ]
+        for step, (want, got) in enumerate(
+            zip(self.reference_losses, self.rank_losses, strict=True)
+        ):
+            lines.append(f"step {step}: loss single process {want:.6g}; per replica {_floats(got)}")
+        lines.append(
+            f"{'parameter':<28} {'stages':<7} {'step':>4} {'what':<6} {'max abs err':>11}  "
+            "diagnosis"
+        )
+        for c in self.checks:
+            if not c.ok or c.step == 0:
+                shown = "ok" if c.ok else c.diagnosis.split(": ")[0]  # its head; in full below
+                held = ",".join(str(s) for s in c.stages)
+                lines.append(
+                    f"{c.name:<28} {held:<7} {c.step:>4} {c.what:<6} {c.max_abs_error:>11.2e}  "
+                    f"{shown}"
+                )
+        lines.append("Diagnosis:")
+        found = self.diagnoses
+        grouped: dict[str, list[str]] = {}
+        for name, diagnosis in found.items():
+            if diagnosis != "agree":
+                grouped.setdefault(diagnosis, []).append(name)
+        if not grouped:
+            lines.append("- every parameter's gradient and update agree with one process")
+        for diagnosis, names in grouped.items():
+            who = "every parameter" if len(names) == len(found) > 1 else ", ".join(names)
+            lines.append(f"- {who}: {diagnosis}")
+        return "\n".join(lines)
+
+
+def pipeline_words(
+    finding: Finding, rows: Sequence[Row], tol: Tolerance, holders: Sequence[str]
+) -> str:
+    """A pipeline parameter's diagnosis in :class:`PipelineReport`'s words; ``rows``: its
+    copies (one per stage holding it and data-parallel replica), ``holders``: those stages,
+    in words ("stage 0 (rank 0)"). A missing gradient is worded by the caller, which sees
+    every stage."""
+    if isinstance(finding, Unreduced) and finding.dim == "stages":
+        both = _listing(list(holders))
+        if finding.how == "mean":
+            return (
+                f"tied between {both}: the copies' gradients were averaged, not summed (the "
+                "single-process gradient is the sum of every stage's part)"
+            )
+        return (
+            f"tied between {both}: each stage's copy holds only its own stage's part of the "
+            "gradient, whose sum is the single-process gradient: the copies were never summed "
+            "(all-reduce the gradient between the stages' ranks after the backward, before the "
+            "optimizer step)"
+        )
+    if isinstance(finding, Scaled) and finding.size is not None:
+        shown = f"1/{finding.size}" if finding.factor < 1 else f"{finding.size}"
+        return f"scaled by {shown} ({finding.label})"
+    if finding == "agree" or isinstance(finding, (NonFinite, Unreduced, NoGradient)):
+        return parameter_words(finding, rows, tol)
+    same = all(tol.close(r.got, rows[0].got) for r in rows)
+    how = "its copies disagree" if not same else "its copies agree with each other"
+    shown = "-" if rows[0].scale is None else f"{rows[0].scale:.4g}"
+    return (
+        f"wrong: no factor, missing stage or unsummed tie explains it ({how}; best scale {shown})"
     )

@@ -45,7 +45,7 @@ from torch import Tensor, nn
 from distgrad.errors import CheckArgumentError
 from distgrad.testing import _simulate
 from distgrad.testing._diagnose import Row, Tolerance, compare, diagnose
-from distgrad.testing._ranks import copy_on, made, run_job, state_of
+from distgrad.testing._ranks import copy_on, full_value, made, plain_named, run_job, state_of
 from distgrad.testing._report import ModelReport, ParameterCheck, parameter_words
 
 __all__ = ["ModelReport", "ParameterCheck", "check_parallel_model"]
@@ -135,16 +135,16 @@ class _Job:
         losses, records = [], []
         for _ in range(self.steps):
             opt.zero_grad(set_to_none=True)
-            before = {n: _full(p) for n, p in _named(model)}
+            before = {n: full_value(p) for n, p in plain_named(model)}
             if self.names is not None:
                 loss = self.loss_fn(model, **dict(zip(self.names, tensors, strict=True)), **extra)
             else:
                 loss = self.loss_fn(model, *tensors, **extra)
             torch.autograd.backward(loss)
-            grads = {n: _full(p.grad) for n, p in _named(model)}
+            grads = {n: full_value(p.grad) for n, p in plain_named(model)}
             opt.step()
-            after = {n: _full(p) for n, p in _named(model)}
-            losses.append(_full(loss.detach()))
+            after = {n: full_value(p) for n, p in plain_named(model)}
+            losses.append(full_value(loss.detach()))
             records.append({n: (grads[n], after[n], before[n]) for n in after})
         return [x for x in losses if x is not None], records
 
@@ -323,29 +323,6 @@ def _default_names(ndim: int) -> tuple[str, ...]:
     return (
         ("dp", "tp") if ndim == 2 else ("dp",) if ndim == 1 else tuple(f"d{i}" for i in range(ndim))
     )
-
-
-# What wrappers insert into parameter names (DDP, FSDP1, activation checkpointing, compile).
-_WRAPPERS = ("module", "_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")
-
-
-def _named(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """The parameters under the names the plain model gives them, wrappers' parts dropped."""
-    return [
-        (".".join(part for part in name.split(".") if part not in _WRAPPERS), p)
-        for name, p in model.named_parameters()
-    ]
-
-
-def _full(t: Tensor | None) -> Tensor | None:
-    """A DTensor's whole value (a collective over its mesh), or the local tensor, detached."""
-    if t is None:
-        return None
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(t, DTensor):
-        t = t.full_tensor()
-    return t.detach().clone()
 
 
 def _refuse_wrappers(model: nn.Module) -> None:
