@@ -60,8 +60,9 @@ class Pairs:
             target.copy_(host)
 
     def done(self) -> bool:
-        """Whether every operation has completed (a failed one counts: :meth:`wait` raises)."""
-        return not self._landings and all(w.is_completed() for w in self._works)
+        """Whether every operation has completed and succeeded: one that failed is not done,
+        so that its :meth:`wait` still raises what went wrong."""
+        return not self._landings and all(w.is_completed() and w.is_success() for w in self._works)
 
     def describe_now(self) -> None:
         self._what = self._what or _wait.StartedEarlier(self._group)
