@@ -142,7 +142,10 @@ def run(
     from this rank's own (None for a ring without accumulators)."""
     steps = ring.steps
     if steps == 1:
-        return compute(0, ring.source(0), own)
+        part = compute(0, ring.source(0), own)
+        if part is None and ring.acc is not None:
+            return own.new_zeros(tuple(ring.acc(ring.source(0))))
+        return part
     held = own
     moving: InFlight[Tensor] | None = _start(ring, -1, own, None)
     for step in range(steps):
