@@ -27,7 +27,8 @@ to the block's owner.
 Choice: a custom autograd function, not a composition of differentiable ``dg.permute`` calls.
 A composition would keep every block that went round the ring (all of K and V, and every
 block's probabilities) for the backward; this keeps only this rank's ``q``, ``k``, ``v``, the
-output and ``lse``, plus the blocks in flight (one exchange at a time). It is not twice differentiable.
+output and ``lse``, plus the blocks in flight (one exchange at a time). It is not twice
+differentiable.
 """
 
 from __future__ import annotations
