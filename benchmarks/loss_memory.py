@@ -4,6 +4,9 @@ plus a constant.
     python benchmarks/loss_memory.py                # B_local 4k..64k, blocks 1024 and 4096
     python benchmarks/loss_memory.py --quick        # a check that it runs (seconds)
 
+On 2 ranks as well (``--world-rows``, default B_local 1024 to 3072, real tensors, the first
+block size): what the ring adds, its travelling blocks and accumulators, is per row too.
+
 What is measured. One forward and backward of each ring loss (``block_size=b``) at world size
 1, dim 512, float32: CLIP, SigLIP with a learnable scale and bias, InfoNCE with 2 hard
 negatives per query, and NT-Xent. The features are made before the step and are not counted;
@@ -32,17 +35,23 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import platform
 import sys
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed._tools.mem_tracker import MemTracker
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 import distgrad as dg
+from distgrad.losses import _blockwise as ring_losses
+from distgrad.testing import run_on_ranks
 
 DIM = 512
 NEGATIVES = 2
@@ -76,19 +85,97 @@ def _step(loss: str, block: int) -> Callable[[list[Tensor], list[Tensor]], Tenso
 LOSSES = ("clip", "siglip", "info_nce+hard", "nt_xent")
 
 
-def peak(loss: str, rows: int, block: int, fake: bool) -> int:
-    """Peak bytes of storages created during one forward+backward (the inputs excluded)."""
+class Live(TorchDispatchMode):
+    """Every tensor storage an operator creates while this mode is on, until it is freed (a
+    weak reference to the storage, as MemTracker keeps): the running sum of their bytes, and
+    its peak in each phase (``phase``: ``"ring"`` while a ring's forward or backward runs,
+    ``"rest"`` otherwise)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.phase = "rest"
+        self.peak = {"ring": 0, "rest": 0}
+        self._refs: dict[int, weakref.ref[torch.UntypedStorage]] = {}
+
+    def _freed(self, key: int, nbytes: int, _: object) -> None:
+        self._refs.pop(key, None)
+        self.live -= nbytes
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, Tensor):
+                st = t.untyped_storage()
+                key = id(st)
+                if key in self._refs and self._refs[key]() is st:
+                    continue
+                nbytes = st.nbytes()
+                self._refs[key] = weakref.ref(st, functools.partial(self._freed, key, nbytes))
+                self.live += nbytes
+        self.peak[self.phase] = max(self.peak[self.phase], self.live)
+        return out
+
+
+@contextlib.contextmanager
+def _phases(live: Live) -> Iterator[None]:
+    """``live.phase`` is "ring" inside the ring losses' forward and backward."""
+    saved = {name: getattr(ring_losses, name) for name in ("_forward", "_backward")}
+
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def inner(*args: Any) -> Any:
+            live.phase = "ring"
+            try:
+                return fn(*args)
+            finally:
+                live.phase = "rest"
+
+        return inner
+
+    for name, fn in saved.items():
+        setattr(ring_losses, name, wrap(fn))
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(ring_losses, name, fn)
+
+
+def _ranked_peak(rank: int, world: int, loss: str, rows: int, block: int) -> dict[str, int]:
+    torch.set_num_threads(1)
+    return peak(loss, rows, block, fake=False)
+
+
+def ring_peaks(world: int, loss: str, rows: list[int], block: int) -> dict[int, dict[str, int]]:
+    """The largest rank's peaks at each B_local, on ``world`` gloo ranks, real tensors."""
+    out = {}
+    for r in rows:
+        per_rank = run_on_ranks(_ranked_peak, world, args=(loss, r, block), timeout=1800)
+        out[r] = {ph: max(p[ph] for p in per_rank) for ph in ("ring", "rest", "step")}
+    return out
+
+
+def peak(loss: str, rows: int, block: int, fake: bool) -> dict[str, int]:
+    """Peak bytes of storages created during one forward+backward (the inputs excluded): in
+    the ring's forward and backward (``"ring"``), outside them (``"rest"``) and overall
+    (``"step"``)."""
     mode: contextlib.AbstractContextManager[object] = (
         FakeTensorMode() if fake else contextlib.nullcontext()
     )
     with mode:
         torch.manual_seed(0)
         feats, scalars = _inputs(loss, rows)
-        tracker = MemTracker()
-        with tracker:
+        live = Live()
+        with _phases(live), live:
             _step(loss, block)(feats, scalars).backward()
-        snapshot = tracker.get_tracker_snapshot("peak")
-    return int(sum(v.get("Total", 0) for v in snapshot.values()))  # type: ignore[union-attr]
+    return {**live.peak, "step": max(live.peak.values())}
+
+
+def _fit(peaks: dict[int, int]) -> tuple[float, list[float]]:
+    """(bytes per row a, from the smallest and largest B_local; peak - a B_local at each)."""
+    lo, hi = min(peaks), max(peaks)
+    a = (peaks[hi] - peaks[lo]) / (hi - lo)
+    return a, [(peaks[r] - a * r) / 2**20 for r in sorted(peaks)]
 
 
 @contextlib.contextmanager
@@ -107,39 +194,84 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--real", type=int, default=4096, help="B_local also run on real tensors")
     parser.add_argument("--losses", nargs="+", default=list(LOSSES), choices=LOSSES)
+    parser.add_argument(
+        "--world-rows", type=int, nargs="*", default=[1024, 2048, 3072], help="B_local on 2 ranks"
+    )
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a check that it runs")
-    parser.add_argument("--out", type=Path, default=None, help="write the table here")
+    parser.add_argument("--out", type=Path, default=None, help="write the tables here")
     args = parser.parse_args()
     if args.quick:
-        args.rows, args.blocks, args.real = [256, 512], [64], 256
-    feature_row = 4 * DIM
+        args.rows, args.blocks, args.real, args.world_rows = [256, 512, 768], [64], 256, [128, 256]
+    row_bytes = 4 * DIM
+
+    def cells(peaks: dict[int, dict[str, int]]) -> str:
+        out = []
+        for phase in ("ring", "rest"):
+            a, consts = _fit({r: p[phase] for r, p in peaks.items()})
+            out.append(f"{a:.0f} ({a / row_bytes:.2f}) | " + ", ".join(f"{c:.2f}" for c in consts))
+        steps = ", ".join(f"{p['step'] / 2**20:.1f}" for _, p in sorted(peaks.items()))
+        return " | ".join(out) + f" | {steps}"
+
+    head = (
+        "| loss | block | ring: bytes per row (feature rows) | ring: peak - a B_local, MiB | "
+        "rest: bytes per row (feature rows) | rest: peak - a B_local, MiB | step peak, MiB |"
+    )
     lines = [
-        f"torch {torch.__version__}, {platform.machine()}, world size 1, dim {DIM}, float32; "
-        f"peak bytes of tensor storages created during one forward+backward (MemTracker), "
-        f"the features excluded, their gradients included; B_local {args.rows}.",
+        f"torch {torch.__version__}, {platform.machine()}, dim {DIM}, float32, one thread. "
+        "Peak bytes of the tensor storages created during one forward+backward (the features "
+        "excluded, their gradients included), inside the ring's forward and backward ('ring') "
+        "and outside them ('rest': normalising, the positives, autograd's gradients of the "
+        "features); a fitted from the smallest and the largest B_local; a 'feature row' is "
+        f"4 D = {row_bytes} bytes.",
         "",
-        "| loss | block | per row: bytes (feature rows) | constant c = peak - a B_local, "
-        "MiB, at each B_local | real / fake peak at B_local "
-        f"{args.real} |",
-        "|---|---|---|---|---|",
+        f"World size 1, B_local {args.rows}, fake tensors (every operator run for its "
+        "output's storage, no arithmetic):",
+        "",
+        head,
+        "|---|---|---|---|---|---|---|",
     ]
+    checks = []
     with _threads(1):
         for loss in args.losses:
             for block in args.blocks:
                 peaks = {rows: peak(loss, rows, block, fake=True) for rows in args.rows}
-                lo, hi = min(args.rows), max(args.rows)
-                a = (peaks[hi] - peaks[lo]) / (hi - lo)
-                consts = [(peaks[r] - a * r) / 2**20 for r in args.rows]
-                real = ""
+                row = f"| {loss} | {block} | {cells(peaks)} |"
+                print(row, flush=True)
+                lines.append(row)
                 if args.real:
                     got = peak(loss, args.real, block, fake=False)
                     want = peak(loss, args.real, block, fake=True)
-                    real = f"{got / 2**20:.2f} / {want / 2**20:.2f} MiB"
-                row = (
-                    f"| {loss} | {block} | {a:.0f} ({a / feature_row:.2f}) | "
-                    + ", ".join(f"{c:.2f}" for c in consts)
-                    + f" | {real} |"
-                )
+                    checks.append(
+                        f"| {loss} | {block} | "
+                        + " | ".join(
+                            f"{got[ph] / 2**20:.2f} / {want[ph] / 2**20:.2f}"
+                            for ph in ("ring", "rest")
+                        )
+                        + " |"
+                    )
+                    print(checks[-1], flush=True)
+        if checks:
+            lines += [
+                "",
+                f"The same at B_local {args.real} on real tensors against fake ones (MiB, "
+                "real / fake):",
+                "",
+                "| loss | block | ring | rest |",
+                "|---|---|---|---|",
+                *checks,
+            ]
+        if args.world_rows:
+            lines += [
+                "",
+                f"2 gloo ranks, real tensors, the largest rank's peaks, B_local {args.world_rows}: "
+                "what the ring adds (its travelling key blocks and accumulators) is per row.",
+                "",
+                head,
+                "|---|---|---|---|---|---|---|",
+            ]
+            for loss in args.losses:
+                block = args.blocks[0]
+                row = f"| {loss} | {block} | {cells(ring_peaks(2, loss, args.world_rows, block))} |"
                 print(row, flush=True)
                 lines.append(row)
     text = "\n".join(lines) + "\n"
