@@ -217,6 +217,12 @@ def _block_backward(
     return dk
 
 
+def _padded(x: Tensor, rows: int) -> Tensor:
+    """``x`` with zero rows to ``rows`` (the wire's M); ``x`` itself when it has them (even
+    shards: no copy of the keys)."""
+    return x if x.shape[0] == rows else F.pad(x, (0, 0, 0, rows - x.shape[0]))
+
+
 def _initial(spec: _Spec) -> float:
     return -math.inf if spec.kind == "lse" else 0.0
 
@@ -228,7 +234,7 @@ def _forward(
     empty): the keys go round the ring, each block folded in tile by tile."""
     spec, dim = plan.spec, k.shape[1]
     out = a.new_full((a.shape[0],), _initial(spec))
-    own = F.pad(k, (0, 0, 0, plan.width - k.shape[0]))  # [M, D]
+    own = _padded(k, plan.width)  # [M, D]
 
     def compute(step: int, source: int, held: Tensor) -> Tensor | None:
         keys = held[: plan.rows_of(source)]
@@ -253,13 +259,13 @@ def _backward(
     """The forward's ring again, each key block followed by its gradient accumulator ([M, D],
     which every rank adds its anchors' part to and which comes home complete); CLIP's blocks
     carry their column logsumexps and gradients ([M, D + 2])."""
-    spec, dim, pad = plan.spec, k.shape[1], plan.width - k.shape[0]
+    spec, dim = plan.spec, k.shape[1]
     sums = torch.zeros_like(a), torch.zeros_like(scale), torch.zeros_like(bias)
     parts = [k]
     if spec.columns:
         g_c = torch.zeros_like(cols) if g_cols is None else g_cols
         parts += [cols[:, None], g_c[:, None]]
-    own = F.pad(torch.cat(parts, 1) if len(parts) > 1 else k, (0, 0, 0, pad))  # [M, D (+ 2)]
+    own = _padded(torch.cat(parts, 1) if len(parts) > 1 else k, plan.width)  # [M, D (+ 2)]
 
     def compute(step: int, source: int, held: Tensor) -> Tensor:
         m = plan.rows_of(source)
