@@ -118,7 +118,9 @@ def _tile_forward(
     """One tile of anchors ``a`` [tr, D] against keys ``k`` [tc, D]: its rows' reduction [tr]
     (logsumexp, or the sum of softplus) and, for CLIP, its columns' logsumexp [tc] (else
     None). ``diagonal``: the offset of the entries left out (NT-Xent), or None."""
-    _, logits = _tile_logits(a, k, scale, bias)
+    # In place: one [tr, tc] tile, not the raw similarities beside the logits (measured with
+    # benchmarks/loss_memory.py: SigLIP's forward held three [b, b] tiles, its backward two).
+    logits = (a @ k.T).mul_(scale).add_(bias)
     if diagonal is not None:
         # The entries of a diagonal, filled in place: indexing them would copy a host index
         # tensor to the device, a host synchronisation on CUDA.
