@@ -302,6 +302,14 @@ class _RingLoss(torch.autograd.Function):
         return (*(gr if n else None for gr, n in zip(grads, need, strict=False)), None)
 
 
+class _RingReduce(_RingLoss):
+    """``ring_reduce``'s node (a survivor's error names a backward by its node)."""
+
+
+class _RingClip(_RingLoss):
+    """``ring_clip``'s node."""
+
+
 def ring_reduce(
     anchors: Tensor,
     keys: Tensor,
@@ -320,7 +328,7 @@ def ring_reduce(
     plan = _Plan(group, rows, _Spec(kind, False, mask_self, block))
     if keys is anchors:  # NT-Xent: torch.compile cannot trace one tensor passed twice
         keys = keys.view_as(keys)
-    out, _ = _RingLoss.apply(anchors, keys, scale, bias, plan)  # type: ignore[no-untyped-call]
+    out, _ = _RingReduce.apply(anchors, keys, scale, bias, plan)  # type: ignore[no-untyped-call]
     return out  # type: ignore[no-any-return]
 
 
@@ -348,5 +356,5 @@ def ring_clip(
     if text is image:  # torch.compile cannot trace one tensor passed twice
         text = text.view_as(text)
     zero = scale.new_zeros(())
-    row, col = _RingLoss.apply(image, text, scale, zero, plan)  # type: ignore[no-untyped-call]
+    row, col = _RingClip.apply(image, text, scale, zero, plan)  # type: ignore[no-untyped-call]
     return row, col
