@@ -122,7 +122,7 @@ def _hand(
             ahead = (_p2p(held, incoming), incoming)
         part = compute(step, source, held)
         if acc_like is not None:
-            arrived = acc  # serial: the accumulator that came with this block
+            arrived: Tensor | None = acc  # serial: the accumulator that came with this block
             if pending is not None:
                 _wait(pending[0])
                 arrived = pending[1]
