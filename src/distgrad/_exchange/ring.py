@@ -21,16 +21,16 @@ in the same message, so each step's compute runs while one exchange is in flight
         part = compute(t, block r-t)             # m(t-1) in flight meanwhile
         block r-t-1, acc = wait m(t-1)           # the block for step t+1; block r-t's acc
         acc = combine(acc, part)                 # (none at t = 0: this rank's part is all)
-        start m(t) = [block r-t-1 (if t+2 < W+1) | acc]
+        start m(t) = [block r-t-1 (while t+2 < W) | acc (with accumulators)]
     acc of block r = wait m(W-1)                 # home, complete
 
 ``m(t)``, sent by every rank after its compute of step t, carries the block its receiver
 computes on at step t + 2 (rank r already holds it: it arrived in ``m(t-1)``) and the
 accumulator of the block the sender just computed on, which the receiver adds its part to
-after its own compute of step t + 1. So no compute ever waits for the exchange started
-just before it, only for the one started a step earlier. Messages: ``W + 1`` with an
-accumulator (the block ``W - 1`` times and the accumulator ``W`` times, the last bringing it
-home), ``W - 1`` without; one alone (W = 1) sends nothing.
+after its own compute of step t + 1. So each compute runs while the exchange started just
+before it is in flight, and what it reads came in the exchange before that one. Messages:
+``W + 1`` with an accumulator (the block ``W - 1`` times and the accumulator ``W`` times, the
+last bringing it home), ``W - 1`` without; one alone (W = 1) sends nothing.
 
 Each message is one flat buffer (the block's elements, then the accumulator's), so the block
 and the accumulator may have different shapes, and every rank's block its own (ring
