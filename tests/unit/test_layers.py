@@ -51,6 +51,7 @@ EXCHANGE_FLOORS: Layers = [
     [[f"{_X}.pairs"], [f"{_X}.handshake"], [f"{_X}.async_op"]],
     [[f"{_X}.declare"]],  # one declaration -> its call forms, typed as its steps
     [[f"{_X}.ops"]],  # the exchanges, one file each
+    [[f"{_X}.ring"]],  # the one ring driver, on the declared shift
     [[f"{_X}.__init__"]],
 ]
 
@@ -58,8 +59,10 @@ EXCHANGE_FLOORS: Layers = [
 # its public declarations, the exchanges (``ops``: one object each, with the ``InFlight`` type
 # of a started one) and the group (``group``: ``Group``, ``ProcessGroup``, ``resolve``). The
 # floors below (steps, pairs, waits, the functional collectives, backends) are the exchanges'
-# own: a ring that moves blocks does it through a declared exchange (``ops.shift``).
-EXCHANGE_PUBLIC = {f"{_X}.ops", f"{_X}.group"}
+# own: a ring that moves blocks does it through a declared exchange (``ops.shift``), and every
+# ring of losses/ and parallel/ through the one driver (``ring``: its plan type and loop order,
+# on ``ops.shift``), which both need and neither may import from the other.
+EXCHANGE_PUBLIC = {f"{_X}.ops", f"{_X}.group", f"{_X}.ring"}
 
 
 def _graph() -> Graph:

@@ -20,13 +20,14 @@ dtype (``_unit`` says why); the gradients flow back in the inputs' dtype.
 ``block_size``: None (default) takes the dense path above; ``"auto"`` takes it unless its
 logits would pass ``AUTO_DENSE_BYTES`` per rank (``choose_block``). An int takes the
 memory-efficient path (``_blockwise``): the keys go round a ring of ranks instead of being
-gathered, and no rank ever holds more than ``[anchors, block_size]`` logits, forward or
-backward (the backward recomputes them). Same value and gradients; not twice differentiable.
-Communication of the ring path: ``info_nce``, ``nt_xent`` and ``siglip_loss`` a
-bidirectional ring, forward W // 2 exchanges of one or two [max B_l, D] blocks (one to each
-neighbour), backward W // 2 of [max B_l, 2D] (keys with their gradient accumulators) and one
-bringing the accumulators home; ``clip_loss`` one direction, W shifts of [max B_l, D + 1]
-forward, W - 1 of [max B_l, 2D + 2] and one of [max B_l, D] backward. Compute: 4 matmuls of
+gathered, and no rank ever holds more than ``[block_size, block_size]`` logits per tile, forward
+or backward (the backward recomputes them), whatever B_l. Same value and gradients; not twice
+differentiable. Communication of the ring path (``distgrad._exchange.ring``, each exchange
+overlapped with a block's compute): ``info_nce``, ``nt_xent`` and ``siglip_loss`` forward
+W - 1 exchanges of [max B_l, D], backward W + 1 (the keys W - 1 times, their gradient
+accumulators [max B_l, D] W times); ``clip_loss`` forward W + 1 (the texts W - 1 times,
+their column logsumexps W times), backward W + 1 (the texts with their column statistics
+[max B_l, D + 2] W - 1 times, their gradient W times). Compute: 4 matmuls of
 B_l x D x B where the dense path does 3 (CLIP too: both its directions share one pass).
 """
 
@@ -76,7 +77,7 @@ BlockSize = int | Literal["auto"] | None
 # Why memory alone decides: the ring does one more B_l x D x B matmul than the dense path (4
 # against 3) and as many elementwise passes over its chunks as the dense path makes over its
 # logits, so it is not faster where the dense logits fit (measured on 2 and 4 CPU ranks, dim
-# 512, B_local 1024 to 8192: benchmarks/results/losses.md); it holds [B_l, block] instead.
+# 512, B_local 1024 to 8192: benchmarks/results/losses.md); it holds [block, block] tiles.
 AUTO_DENSE_BYTES = 2 * 2**30
 # The ring's block under "auto": CPU 1024 (the benchmarks' block), CUDA 4096 (wider matmuls;
 # the block of the H100 timings in benchmarks/results/gpu_check.md).
@@ -463,9 +464,9 @@ def siglip_loss(
         return global_mean(F.softplus(logits).sum() - positive.sum(), sum(rows), g)
 
 
-# The memory-efficient paths: the same losses through distgrad.losses._blockwise, which never holds
-# more than [anchors, block_size] logits. Each returns the same value and gradients as the
-# dense path (tests/losses/test_blockwise.py).
+# The memory-efficient paths: the same losses through distgrad.losses._blockwise, which never
+# holds more than [block_size, block_size] logits per tile. Each returns the same value and
+# gradients as the dense path (tests/losses/test_blockwise.py).
 
 
 def _ring_info_nce(

@@ -4,12 +4,14 @@ Legend: ``N`` ranks; rank r holds the ``S_r`` consecutive positions starting at
 ``o_r = S_0 + ... + S_{r-1}`` (uneven and empty blocks allowed); ``q`` ``[..., S_r, D]``,
 ``k`` ``[..., S_r, D]``, ``v`` ``[..., S_r, Dv]``; ``lse`` the log-sum-exp of a query's scores.
 
-Algorithm (the queries stay, the keys and values travel): at step t rank r holds the key and
-value block of rank ``(r - t) mod N`` and folds it into its running softmax (the maximum, the
-sum of exponentials and the weighted values, rescaled when the maximum grows), then passes
-the block on to rank r + 1. With ``causal``, a block that lies wholly after this rank's
-queries is passed on without computing (its scores are all masked), and the block of the
-rank itself is masked on and above the diagonal.
+Algorithm (the queries stay, the keys and values travel): at step t rank r computes on the
+key and value block of rank ``(r - t) mod N`` and folds it into its running softmax (the
+maximum, the sum of exponentials and the weighted values, rescaled when the maximum grows).
+The blocks move on the one ring driver of distgrad (``distgrad._exchange.ring``): each block
+arrives a step before its compute, so the next exchange is in flight while this block
+computes. With ``causal``, a block that lies wholly after this rank's queries is passed on
+without computing (its scores are all masked), and the block of the rank itself is masked on
+and above the diagonal.
 
 Each block goes through torch's fused CPU attention kernel when it can (float32 or float64,
 ``Dv == D``: a tiled kernel that returns the block's log-sum-exp and never holds its
@@ -17,15 +19,16 @@ Each block goes through torch's fused CPU attention kernel when it can (float32 
 merged by their log-sum-exps.
 
 The backward recomputes each block from the saved output and log-sum-exp (as FlashAttention
-does) and sends the blocks round the same ring again, each *with its gradient accumulator*:
-every rank adds its queries' contribution to the block's ``dk`` and ``dv``, and one last shift
-brings the accumulator home to the block's owner. The gradients thus travel with the blocks
-and reach their owner from the rank before it.
+does) and sends the blocks round the same ring again, each followed one step behind by its
+gradient accumulator: every rank adds its queries' contribution to the block's ``dk`` and
+``dv`` once it has computed on the block, and the accumulator's last exchange brings it home
+to the block's owner.
 
 Choice: a custom autograd function, not a composition of differentiable ``dg.permute`` calls.
 A composition would keep every block that went round the ring (all of K and V, and every
 block's probabilities) for the backward; this keeps only this rank's ``q``, ``k``, ``v``, the
-output and ``lse``, plus two blocks in flight. It is not twice differentiable.
+output and ``lse``, plus the blocks in flight (one exchange at a time). It is not twice
+differentiable.
 """
 
 from __future__ import annotations
@@ -39,8 +42,8 @@ import torch
 from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from distgrad._exchange import ops
 from distgrad._exchange.group import Group
+from distgrad._exchange.ring import Ring, run
 from distgrad._mesh import GroupLike
 from distgrad.collectives.all_gather import all_gather
 from distgrad.parallel._checks import RING_ATTENTION, as_process_group
@@ -84,12 +87,14 @@ class _Plan:
         return keys[None, :] > queries[:, None]
 
 
-def _shift(block: Tensor, plan: _Plan, step: int) -> Tensor:
-    """Pass ``block`` to the next rank; receive the block of ``holder(step)``."""
-    shape = (*block.shape[:-2], plan.sizes[plan.holder(step)], block.shape[-1])
-    n = len(plan.sizes)
-    after, before = (plan.rank + 1) % n, (plan.rank - 1) % n
-    return ops.shift(block[None], [after], [before], shape, group=plan.group)[0]
+def _ring(plan: _Plan, kv: Tensor, acc: bool) -> Ring:
+    """The ring of the key and value blocks ([..., S_j, D + Dv] for rank j), each with its
+    gradient accumulator of the same shape in the backward (``acc``)."""
+
+    def shape(rank: int) -> tuple[int, ...]:
+        return (*kv.shape[:-2], plan.sizes[rank], kv.shape[-1])
+
+    return Ring(plan.group, shape, shape if acc else None)
 
 
 def _scores(q: Tensor, k: Tensor, plan: _Plan, block: int) -> Tensor:
@@ -159,45 +164,47 @@ def _block_backward(
 
 
 def _forward(q: Tensor, k: Tensor, v: Tensor, plan: _Plan) -> tuple[Tensor, Tensor]:
-    """Fold the blocks into one softmax as they come round: (output, lse)."""
+    """Fold the blocks into one softmax as they come round (``distgrad._exchange.ring``: the
+    next block in flight while this one computes): (output, lse)."""
     dk = k.shape[-1]
     out = q.new_zeros((*q.shape[:-1], v.shape[-1]))
     lse = q.new_full(q.shape[:-1], -math.inf)  # [..., S_r]: no key seen yet
     kv = torch.cat([k, v], dim=-1)  # one message per step
-    for step in range(len(plan.sizes)):
-        if step > 0:
-            kv = _shift(kv, plan, step)
-        block = plan.holder(step)
+
+    def compute(step: int, block: int, held: Tensor) -> None:
+        nonlocal out, lse
         if plan.masked_out(block):
-            continue
-        part, part_lse = _block_forward(q, kv[..., :dk], kv[..., dk:], plan, block)
+            return
+        part, part_lse = _block_forward(q, held[..., :dk], held[..., dk:], plan, block)
         new = torch.logaddexp(lse, part_lse)
         # Rescale both to the new total; the running part's weight is 0 before any block.
         out = out * torch.exp(lse - new)[..., None] + part * torch.exp(part_lse - new)[..., None]
         lse = new
+
+    run(_ring(plan, kv, acc=False), kv, compute)
     return out, lse
 
 
 def _backward(
     q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, plan: _Plan
 ) -> tuple[Tensor, Tensor, Tensor]:
+    """The blocks round again, each followed by its gradient accumulator ``[dk | dv]``, which
+    every rank adds its queries' part to and which comes home complete."""
     dk_width = k.shape[-1]
     dq = torch.zeros_like(q)
     kv = torch.cat([k, v], dim=-1)
-    grads = torch.zeros_like(kv)  # the accumulator of the block this rank holds
-    for step in range(len(plan.sizes)):
-        if step > 0:
-            both = _shift(torch.cat([kv, grads], dim=-1), plan, step)
-            kv, grads = both[..., : kv.shape[-1]], both[..., kv.shape[-1] :]
-        block = plan.holder(step)
+
+    def compute(step: int, block: int, held: Tensor) -> Tensor | None:
+        nonlocal dq
         if plan.masked_out(block):
-            continue
-        kb, vb = kv[..., :dk_width], kv[..., dk_width:]
+            return None
+        kb, vb = held[..., :dk_width], held[..., dk_width:]
         dqb, dkb, dvb = _block_backward(q, kb, vb, out, lse, dout, plan, block)
         dq = dq + dqb
-        grads = grads + torch.cat([dkb, dvb], -1)
-    # After the last step this rank holds the block of rank + 1, whose accumulator is complete.
-    grads = _shift(grads, plan, len(plan.sizes)) if len(plan.sizes) > 1 else grads
+        return torch.cat([dkb, dvb], -1)
+
+    grads = run(_ring(plan, kv, acc=True), kv, compute)
+    assert grads is not None
     # Two tensors of their own, not views of one.
     return dq, grads[..., :dk_width].clone(), grads[..., dk_width:].clone()
 
@@ -246,9 +253,10 @@ def ring_attention(
     gets this rank's rows; ``k`` and ``v`` get the sum over every rank's queries of their
     terms. Not twice differentiable.
 
-    Communication: forward N-1 sends and receives of a [..., S, D + Dv] block; backward N-1 of
-    [..., S, 2 (D + Dv)] (block and accumulator) and 1 of [..., S, D + Dv]; plus the length
-    exchange when ``sizes`` is not given. Memory: the saved inputs, output and lse, and the
+    Communication (each exchange overlapped with a block's compute): forward N-1 sends and
+    receives of a [..., S, D + Dv] block; backward N+1 exchanges, the blocks N-1 times and
+    their accumulators [..., S, D + Dv] N times; plus the length exchange when ``sizes`` is
+    not given. Memory: the saved inputs, output and lse, and the
     blocks in flight; never the whole K or V.
     """
     call = RING_ATTENTION.bind(group, q, k=k, v=v, sizes=sizes)

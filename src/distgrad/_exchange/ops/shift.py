@@ -1,7 +1,8 @@
 """shift: a ring's step, each rank sending blocks to chosen ranks and receiving as many.
 
-The two rings (``distgrad.losses._blockwise``, ``distgrad.parallel._ring_attention``) move their
-blocks with it, each step started before the blocks held are computed on (:meth:`start`).
+Every ring (``distgrad.losses._blockwise``, ``distgrad.parallel._ring_attention``) moves its
+blocks with it through the one ring driver (``distgrad._exchange.ring``), each step started
+(:meth:`start`) before the compute it overlaps.
 """
 
 from __future__ import annotations
