@@ -4,14 +4,10 @@ softplus sums, folded into running statistics, and the gradients of the anchors,
 the scale and the bias, accumulated over two blocks, with random incoming gradients.
 float32 to 1e-5 relative; bfloat16 to ``BF16`` (its 8-bit mantissa rounds every input and the
 gradient of the logits before the tile-matmuls). Deterministic mode is bitwise reproducible;
-the opt-in atomics agree with it.
+the opt-in atomics agree with it. (tests/conftest.py sets TRITON_INTERPRET=1.)
 """
 
 from __future__ import annotations
-
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are built
 
 import pytest
 import torch
