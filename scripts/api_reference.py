@@ -25,7 +25,7 @@ docstrings; their entries are written here, in ``TORCH_NAMES``, in the same form
 
 ``--doctest`` runs each example in a fresh namespace holding ``torch`` and ``dg`` (distgrad), in
 one process, as rank 0 of a one-rank gloo process group started for it (so ``group=None`` is
-that group) and destroyed after it. An example of ``distgrad.rpc`` also runs as ``worker0`` of a
+that group) and destroyed after it. An example that uses ``dg.rpc`` also runs as ``worker0`` of a
 one-worker RPC group started for it, unless it calls ``init_rpc`` itself. An example that
 starts its own ranks (``run_on_ranks``, the checkers: on processes, or simulated with
 ``simulate=True``, which needs no process group in the caller) gets no group.
@@ -372,8 +372,8 @@ def render(all_entries: list[Entry]) -> str:
         "test fails when this page and the docstrings differ). Every example runs as a doctest",
         f"in CI (`{COMMAND} --doctest`, from `tests/unit/test_api_reference.py`): in a namespace",
         "holding `torch` and `dg` (`import distgrad as dg`), as rank 0 of a one-rank gloo",
-        "process group (so `group=None` is that group) and, for `distgrad.rpc`, as `worker0` of a",
-        "one-worker RPC group; an example that starts its own ranks (`dg.testing.run_on_ranks`,",
+        "process group (so `group=None` is that group) and, where it uses `dg.rpc`, as",
+        "`worker0` of a one-worker RPC group; an example that starts its own ranks (`run_on_ranks`,",
         "the checkers; `simulate=True` runs them in one process) runs without either. Semantics,",
         "gradients and costs at length: [semantics.md](semantics.md),",
         "[losses.md](losses.md), [patterns.md](patterns.md), [rpc.md](rpc.md),",
@@ -451,7 +451,8 @@ def _with_group(entry: Entry) -> bool:
 
 
 def _with_rpc(entry: Entry) -> bool:
-    return entry.name.startswith("distgrad.rpc.") and "init_rpc(" not in entry.sections["Example"]
+    example = entry.sections["Example"]
+    return "dg.rpc." in example and "init_rpc(" not in example
 
 
 def run_examples(only: str | None = None) -> tuple[int, int]:
