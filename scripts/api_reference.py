@@ -40,6 +40,7 @@ import inspect
 import re
 import sys
 import tempfile
+import textwrap
 import types
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -365,21 +366,19 @@ def _anchor(name: str) -> str:
 
 def render(all_entries: list[Entry]) -> str:
     modules = public_modules()
-    out = [
-        "# API reference",
-        "",
-        f"Generated from the docstrings by `{COMMAND}`; do not edit by hand (a",
-        "test fails when this page and the docstrings differ). Every example runs as a doctest",
-        f"in CI (`{COMMAND} --doctest`, from `tests/unit/test_api_reference.py`): in a namespace",
-        "holding `torch` and `dg` (`import distgrad as dg`), as rank 0 of a one-rank gloo",
-        "process group (so `group=None` is that group) and, where it uses `dg.rpc`, as",
-        "`worker0` of a one-worker RPC group; an example that starts its own ranks (`run_on_ranks`,",
-        "the checkers; `simulate=True` runs them in one process) runs without either. Semantics,",
-        "gradients and costs at length: [semantics.md](semantics.md),",
-        "[losses.md](losses.md), [patterns.md](patterns.md), [rpc.md](rpc.md),",
-        "[checker.md](checker.md).",
-        "",
-    ]
+    intro = (
+        f"Generated from the docstrings by `{COMMAND}`; do not edit by hand (a test fails "
+        "when this page and the docstrings differ). Every example runs as a doctest in CI "
+        f"(`{COMMAND} --doctest`, from `tests/unit/test_api_reference.py`): in a namespace "
+        "holding `torch` and `dg` (`import distgrad as dg`), as rank 0 of a one-rank gloo "
+        "process group (so `group=None` is that group) and, where it uses `dg.rpc`, as "
+        "`worker0` of a one-worker RPC group; an example that starts its own ranks "
+        "(`dg.testing.run_on_ranks`, the checkers; `simulate=True` runs them in one process) "
+        "runs without either. Semantics, gradients and costs at length: "
+        "[semantics.md](semantics.md), [losses.md](losses.md), [patterns.md](patterns.md), "
+        "[rpc.md](rpc.md), [checker.md](checker.md)."
+    )
+    out = ["# API reference", "", textwrap.fill(intro, 96), ""]
     by_module: dict[str, list[Entry]] = {}
     for entry in all_entries:
         by_module.setdefault(entry.name.rsplit(".", 1)[0], []).append(entry)
