@@ -418,7 +418,7 @@ def _render_entry(entry: Entry) -> list[str]:
         text = entry.sections.get(section, "")
         if not text:
             continue
-        items = entry.entries(section)
+        items = entry.entries(section) if not text.startswith("Nothing") else {}
         out += [f"**{titles[section]}**", ""]
         if items:
             out += [f"* `{name}`: {_markdown(text)}" for name, text in items.items()]

@@ -65,8 +65,8 @@ class CollectiveArgumentError(DistgradError, ValueError):
 
     Raised by:
         Every collective (``distgrad.all_gather``, ...), loss and parallel pattern, at the call,
-        for an argument that is invalid on its own (an unknown op, a dim out of range, a sizes
-        list of the wrong length).
+        for an argument that is invalid on its own (an unknown op, a dim out of range, a sizes list
+        of the wrong length).
 
     Example:
         >>> dg.all_reduce(torch.ones(2), op="mean")
@@ -83,9 +83,9 @@ class CollectiveMismatchError(CollectiveArgumentError):
     that disagree and what each of them passed.
 
     Raised by:
-        Every collective, loss and parallel pattern on two or more ranks, while the group's
-        first calls are checked across ranks, in debug mode (``set_debug``) and with the data
-        guard (``set_guard``).
+        Every collective, loss and parallel pattern on two or more ranks, while the group's first
+        calls are checked across ranks, in debug mode (``set_debug``) and with the data guard
+        (``set_guard``).
 
     Example:
         >>> issubclass(dg.errors.CollectiveMismatchError, dg.errors.CollectiveArgumentError)
@@ -190,8 +190,8 @@ class RpcAutogradError(DistgradError, RuntimeError):
     against torch catches it.
 
     Raised by:
-        ``distgrad.rpc.backward``, ``get_gradients``, ``DistributedOptimizer.step`` and the
-        calls recorded in a context, on the worker that started the work.
+        ``distgrad.rpc.backward``, ``get_gradients``, ``DistributedOptimizer.step`` and the calls
+        recorded in a context, on the worker that started the work.
 
     Example:
         >>> try:
@@ -206,8 +206,8 @@ class UnknownContextError(RpcAutogradError):
     """The autograd context id is unknown on this worker (never created, or already released).
 
     Raised by:
-        ``distgrad.rpc.backward``, ``get_gradients`` and ``DistributedOptimizer.step`` given an
-        id that is not a live context on this worker.
+        ``distgrad.rpc.backward``, ``get_gradients`` and ``DistributedOptimizer.step`` given an id
+        that is not a live context on this worker.
 
     Example:
         >>> dg.rpc.get_gradients(12345)

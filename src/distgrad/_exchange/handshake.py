@@ -158,8 +158,8 @@ def set_debug(enabled: bool) -> None:
     Each check costs one small collective. Every rank must use the same setting.
 
     Args:
-        enabled: ``True`` to check every call across ranks, ``False`` for the default (the
-            first calls on each group only).
+        enabled: ``True`` to check every call across ranks, ``False`` for the default (the first
+            calls on each group only).
 
     Returns:
         None.

@@ -149,7 +149,8 @@ def all_gather(
 
     Args:
         x: this rank's tensor; not modified.
-        group: the process group (default: the default group), a DeviceMesh dimension (``mesh["tp"]``, ``(mesh, "tp")``, ``(mesh, 1)``); a DTensor input is refused.
+        group: the process group (default: the default group), a DeviceMesh dimension
+            (``mesh["tp"]``, ``(mesh, "tp")``, ``(mesh, 1)``); a DTensor input is refused.
         dim: the dimension to concatenate along.
         sizes: every rank's extent along ``dim``, the same list on every rank; given, the call
             sends nothing but the data.
@@ -161,16 +162,18 @@ def all_gather(
         The concatenation of every rank's ``x`` along ``dim``, in rank order, on every rank.
 
     Raises:
-        CollectiveArgumentError: an argument is invalid on some rank (``dim`` out of range, ``sizes`` of the wrong length or not this rank's extent, an unknown ``objective``); raised on every
-            rank of the group, before any data moves, naming the rank, the argument and what
-            was expected.
-        CollectiveMismatchError: the ranks' arguments do not fit together (other dims, dtype, device type or ``sizes`` that differ), found while
-            the group's first calls are checked across ranks, in debug mode (``set_debug``) and,
-            after them, by the data guard (``set_guard``).
+        CollectiveArgumentError: an argument is invalid on some rank (``dim`` out of range,
+            ``sizes`` of the wrong length or not this rank's extent, an unknown ``objective``);
+            raised on every rank of the group, before any data moves, naming the rank, the argument
+            and what was expected.
+        CollectiveMismatchError: the ranks' arguments do not fit together (other dims, dtype,
+            device type or ``sizes`` that differ), found while the group's first calls are checked
+            across ranks, in debug mode (``set_debug``) and, after them, by the data guard
+            (``set_guard``).
         torch.distributed.DistBackendError: a peer's process died while this rank waited
-            (``PeerGoneError``, a subclass, when distgrad's liveness check saw it first), or a
-            peer never came within the group's timeout; the message names the op, the pass and
-            the peer (docs/faults.md).
+            (``PeerGoneError``, a subclass, when distgrad's liveness check saw it first), or a peer
+            never came within the group's timeout; the message names the op, the pass and the peer
+            (docs/faults.md).
 
     Example:
         >>> def gathered(rank, world_size):  # every rank sends one row: its rank
@@ -230,7 +233,8 @@ def reduce_scatter(
         x: this rank's tensor, the same shape on every rank; not modified.
         op: ``"sum"``, ``"avg"``, ``"prod"``, ``"max"``, ``"min"`` or the matching
             ``torch.distributed.ReduceOp``.
-        group: the process group (default: the default group), a DeviceMesh dimension (``mesh["tp"]``, ``(mesh, "tp")``, ``(mesh, 1)``); a DTensor input is refused.
+        group: the process group (default: the default group), a DeviceMesh dimension
+            (``mesh["tp"]``, ``(mesh, "tp")``, ``(mesh, 1)``); a DTensor input is refused.
         dim: the dimension to split along.
         sizes: every rank's slice length along ``dim``, adding up to ``x.shape[dim]``, the same
             list on every rank (default: an even split).
@@ -240,16 +244,17 @@ def reduce_scatter(
         This rank's slice, along ``dim``, of the reduction over ranks.
 
     Raises:
-        CollectiveArgumentError: an argument is invalid on some rank (an unknown ``op``, ``sizes`` that do not add up to ``x.shape[dim]``, an extent that does not divide evenly); raised on every
-            rank of the group, before any data moves, naming the rank, the argument and what
-            was expected.
-        CollectiveMismatchError: the ranks' arguments do not fit together (shapes, dtypes or ``sizes`` that differ), found while
-            the group's first calls are checked across ranks, in debug mode (``set_debug``) and,
-            after them, by the data guard (``set_guard``).
+        CollectiveArgumentError: an argument is invalid on some rank (an unknown ``op``, ``sizes``
+            that do not add up to ``x.shape[dim]``, an extent that does not divide evenly); raised
+            on every rank of the group, before any data moves, naming the rank, the argument and
+            what was expected.
+        CollectiveMismatchError: the ranks' arguments do not fit together (shapes, dtypes or
+            ``sizes`` that differ), found while the group's first calls are checked across ranks,
+            in debug mode (``set_debug``) and, after them, by the data guard (``set_guard``).
         torch.distributed.DistBackendError: a peer's process died while this rank waited
-            (``PeerGoneError``, a subclass, when distgrad's liveness check saw it first), or a
-            peer never came within the group's timeout; the message names the op, the pass and
-            the peer (docs/faults.md).
+            (``PeerGoneError``, a subclass, when distgrad's liveness check saw it first), or a peer
+            never came within the group's timeout; the message names the op, the pass and the peer
+            (docs/faults.md).
 
     Example:
         >>> def summed(rank, world_size):  # each rank holds [1, 2] * (rank + 1)

@@ -99,7 +99,8 @@ def all_reduce(
         x: this rank's tensor, the same shape on every rank; not modified.
         op: ``"sum"``, ``"avg"``, ``"prod"``, ``"max"``, ``"min"`` or the matching
             ``torch.distributed.ReduceOp``.
-        group: the process group (default: the default group), a DeviceMesh dimension (``mesh["tp"]``, ``(mesh, "tp")``, ``(mesh, 1)``); a DTensor input is refused.
+        group: the process group (default: the default group), a DeviceMesh dimension
+            (``mesh["tp"]``, ``(mesh, "tp")``, ``(mesh, 1)``); a DTensor input is refused.
         objective: ``"sum"`` (the losses of every rank add up) or ``"replicated"`` (every rank
             computes the same loss, counted once).
         async_op: return at once an ``AsyncTensor`` that waits for its data on first use.
@@ -108,16 +109,16 @@ def all_reduce(
         The elementwise reduction of every rank's ``x``, on every rank.
 
     Raises:
-        CollectiveArgumentError: an argument is invalid on some rank (an unknown ``op`` or ``objective``); raised on every
-            rank of the group, before any data moves, naming the rank, the argument and what
-            was expected.
-        CollectiveMismatchError: the ranks' arguments do not fit together (shapes, dtypes or ops that differ), found while
-            the group's first calls are checked across ranks, in debug mode (``set_debug``) and,
-            after them, by the data guard (``set_guard``).
+        CollectiveArgumentError: an argument is invalid on some rank (an unknown ``op`` or
+            ``objective``); raised on every rank of the group, before any data moves, naming the
+            rank, the argument and what was expected.
+        CollectiveMismatchError: the ranks' arguments do not fit together (shapes, dtypes or ops
+            that differ), found while the group's first calls are checked across ranks, in debug
+            mode (``set_debug``) and, after them, by the data guard (``set_guard``).
         torch.distributed.DistBackendError: a peer's process died while this rank waited
-            (``PeerGoneError``, a subclass, when distgrad's liveness check saw it first), or a
-            peer never came within the group's timeout; the message names the op, the pass and
-            the peer (docs/faults.md).
+            (``PeerGoneError``, a subclass, when distgrad's liveness check saw it first), or a peer
+            never came within the group's timeout; the message names the op, the pass and the peer
+            (docs/faults.md).
 
     Example:
         >>> def largest(rank, world_size):

@@ -108,7 +108,8 @@ def all_to_all(
 
     Args:
         x: this rank's tensor; not modified.
-        group: the process group (default: the default group), a DeviceMesh dimension (``mesh["tp"]``, ``(mesh, "tp")``, ``(mesh, 1)``); a DTensor input is refused.
+        group: the process group (default: the default group), a DeviceMesh dimension
+            (``mesh["tp"]``, ``(mesh, "tp")``, ``(mesh, 1)``); a DTensor input is refused.
         dim: the dimension to split and concatenate along.
         input_sizes: the length of the part sent to each rank (default: an even split).
         output_sizes: the length received from each rank; given with ``input_sizes``, the call
@@ -119,16 +120,18 @@ def all_to_all(
         The parts every rank sent to this one, concatenated along ``dim`` in rank order.
 
     Raises:
-        CollectiveArgumentError: an argument is invalid on some rank (sizes of the wrong length or that do not add up to ``x.shape[dim]``, ``output_sizes`` without ``input_sizes``); raised on every
-            rank of the group, before any data moves, naming the rank, the argument and what
-            was expected.
-        CollectiveMismatchError: the ranks' arguments do not fit together (sizes sent that are not the sizes received, other dims or dtypes that differ), found while
-            the group's first calls are checked across ranks, in debug mode (``set_debug``) and,
-            after them, by the data guard (``set_guard``).
+        CollectiveArgumentError: an argument is invalid on some rank (sizes of the wrong length or
+            that do not add up to ``x.shape[dim]``, ``output_sizes`` without ``input_sizes``);
+            raised on every rank of the group, before any data moves, naming the rank, the argument
+            and what was expected.
+        CollectiveMismatchError: the ranks' arguments do not fit together (sizes sent that are not
+            the sizes received, other dims or dtypes that differ), found while the group's first
+            calls are checked across ranks, in debug mode (``set_debug``) and, after them, by the
+            data guard (``set_guard``).
         torch.distributed.DistBackendError: a peer's process died while this rank waited
-            (``PeerGoneError``, a subclass, when distgrad's liveness check saw it first), or a
-            peer never came within the group's timeout; the message names the op, the pass and
-            the peer (docs/faults.md).
+            (``PeerGoneError``, a subclass, when distgrad's liveness check saw it first), or a peer
+            never came within the group's timeout; the message names the op, the pass and the peer
+            (docs/faults.md).
 
     Example:
         >>> def swapped(rank, world_size):  # part i goes to rank i

@@ -96,10 +96,11 @@ def broadcast(
     "Overlap: async_op").
 
     Args:
-        x: this rank's tensor (only ``src``'s values are read), the same shape on every rank;
-            not modified.
+        x: this rank's tensor (only ``src``'s values are read), the same shape on every rank; not
+            modified.
         src: the source, a rank within ``group``.
-        group: the process group (default: the default group), a DeviceMesh dimension (``mesh["tp"]``, ``(mesh, "tp")``, ``(mesh, 1)``); a DTensor input is refused.
+        group: the process group (default: the default group), a DeviceMesh dimension
+            (``mesh["tp"]``, ``(mesh, "tp")``, ``(mesh, 1)``); a DTensor input is refused.
         objective: ``"sum"`` (the losses of every rank add up) or ``"replicated"`` (every rank
             computes the same loss, counted once).
         async_op: return at once an ``AsyncTensor`` that waits for its data on first use.
@@ -108,16 +109,16 @@ def broadcast(
         A copy of ``src``'s ``x``, on every rank.
 
     Raises:
-        CollectiveArgumentError: an argument is invalid on some rank (``src`` not a rank of the group, an unknown ``objective``); raised on every
-            rank of the group, before any data moves, naming the rank, the argument and what
-            was expected.
-        CollectiveMismatchError: the ranks' arguments do not fit together (``src``, shapes or dtypes that differ), found while
-            the group's first calls are checked across ranks, in debug mode (``set_debug``) and,
-            after them, by the data guard (``set_guard``).
+        CollectiveArgumentError: an argument is invalid on some rank (``src`` not a rank of the
+            group, an unknown ``objective``); raised on every rank of the group, before any data
+            moves, naming the rank, the argument and what was expected.
+        CollectiveMismatchError: the ranks' arguments do not fit together (``src``, shapes or
+            dtypes that differ), found while the group's first calls are checked across ranks, in
+            debug mode (``set_debug``) and, after them, by the data guard (``set_guard``).
         torch.distributed.DistBackendError: a peer's process died while this rank waited
-            (``PeerGoneError``, a subclass, when distgrad's liveness check saw it first), or a
-            peer never came within the group's timeout; the message names the op, the pass and
-            the peer (docs/faults.md).
+            (``PeerGoneError``, a subclass, when distgrad's liveness check saw it first), or a peer
+            never came within the group's timeout; the message names the op, the pass and the peer
+            (docs/faults.md).
 
     Example:
         >>> def copied(rank, world_size):
@@ -169,23 +170,24 @@ def reduce(
         dst: the destination, a rank within ``group``.
         op: ``"sum"``, ``"avg"``, ``"prod"``, ``"max"``, ``"min"`` or the matching
             ``torch.distributed.ReduceOp``.
-        group: the process group (default: the default group), a DeviceMesh dimension (``mesh["tp"]``, ``(mesh, "tp")``, ``(mesh, 1)``); a DTensor input is refused.
+        group: the process group (default: the default group), a DeviceMesh dimension
+            (``mesh["tp"]``, ``(mesh, "tp")``, ``(mesh, 1)``); a DTensor input is refused.
         async_op: return at once an ``AsyncTensor`` that waits for its data on first use.
 
     Returns:
         On ``dst`` the reduction of every rank's ``x``; on every other rank zeros of its shape.
 
     Raises:
-        CollectiveArgumentError: an argument is invalid on some rank (``dst`` not a rank of the group, an unknown ``op``); raised on every
-            rank of the group, before any data moves, naming the rank, the argument and what
-            was expected.
-        CollectiveMismatchError: the ranks' arguments do not fit together (``dst``, ops, shapes or dtypes that differ), found while
-            the group's first calls are checked across ranks, in debug mode (``set_debug``) and,
-            after them, by the data guard (``set_guard``).
+        CollectiveArgumentError: an argument is invalid on some rank (``dst`` not a rank of the
+            group, an unknown ``op``); raised on every rank of the group, before any data moves,
+            naming the rank, the argument and what was expected.
+        CollectiveMismatchError: the ranks' arguments do not fit together (``dst``, ops, shapes or
+            dtypes that differ), found while the group's first calls are checked across ranks, in
+            debug mode (``set_debug``) and, after them, by the data guard (``set_guard``).
         torch.distributed.DistBackendError: a peer's process died while this rank waited
-            (``PeerGoneError``, a subclass, when distgrad's liveness check saw it first), or a
-            peer never came within the group's timeout; the message names the op, the pass and
-            the peer (docs/faults.md).
+            (``PeerGoneError``, a subclass, when distgrad's liveness check saw it first), or a peer
+            never came within the group's timeout; the message names the op, the pass and the peer
+            (docs/faults.md).
 
     Example:
         >>> def summed(rank, world_size):

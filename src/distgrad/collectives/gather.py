@@ -146,27 +146,29 @@ def gather(
     Args:
         x: this rank's tensor; not modified.
         dst: the destination, a rank within ``group``.
-        group: the process group (default: the default group), a DeviceMesh dimension (``mesh["tp"]``, ``(mesh, "tp")``, ``(mesh, 1)``); a DTensor input is refused.
+        group: the process group (default: the default group), a DeviceMesh dimension
+            (``mesh["tp"]``, ``(mesh, "tp")``, ``(mesh, 1)``); a DTensor input is refused.
         dim: the dimension to concatenate along.
         sizes: every rank's extent along ``dim``, the same list on every rank; given, the call
             sends nothing but the data.
         async_op: return at once an ``AsyncTensor`` that waits for its data on first use.
 
     Returns:
-        On ``dst`` every rank's ``x`` concatenated along ``dim`` in rank order; on every other
-        rank an empty tensor (size 0 along ``dim``).
+        On ``dst`` every rank's ``x`` concatenated along ``dim`` in rank order; on every other rank
+        an empty tensor (size 0 along ``dim``).
 
     Raises:
-        CollectiveArgumentError: an argument is invalid on some rank (``dst`` not a rank of the group, ``dim`` out of range, ``sizes`` of the wrong length or not this rank's extent); raised on every
-            rank of the group, before any data moves, naming the rank, the argument and what
-            was expected.
-        CollectiveMismatchError: the ranks' arguments do not fit together (``dst``, other dims or dtypes that differ), found while
-            the group's first calls are checked across ranks, in debug mode (``set_debug``) and,
-            after them, by the data guard (``set_guard``).
+        CollectiveArgumentError: an argument is invalid on some rank (``dst`` not a rank of the
+            group, ``dim`` out of range, ``sizes`` of the wrong length or not this rank's extent);
+            raised on every rank of the group, before any data moves, naming the rank, the argument
+            and what was expected.
+        CollectiveMismatchError: the ranks' arguments do not fit together (``dst``, other dims or
+            dtypes that differ), found while the group's first calls are checked across ranks, in
+            debug mode (``set_debug``) and, after them, by the data guard (``set_guard``).
         torch.distributed.DistBackendError: a peer's process died while this rank waited
-            (``PeerGoneError``, a subclass, when distgrad's liveness check saw it first), or a
-            peer never came within the group's timeout; the message names the op, the pass and
-            the peer (docs/faults.md).
+            (``PeerGoneError``, a subclass, when distgrad's liveness check saw it first), or a peer
+            never came within the group's timeout; the message names the op, the pass and the peer
+            (docs/faults.md).
 
     Example:
         >>> x = torch.tensor([1.0, 2.0], requires_grad=True)
@@ -226,10 +228,11 @@ def scatter(
     "Overlap: async_op").
 
     Args:
-        x: on ``src`` the tensor to split; on the other ranks ``None``, or a tensor shaped like
-            the part it receives (with ``sizes``). Not modified.
+        x: on ``src`` the tensor to split; on the other ranks ``None``, or a tensor shaped like the
+            part it receives (with ``sizes``). Not modified.
         src: the source, a rank within ``group``.
-        group: the process group (default: the default group), a DeviceMesh dimension (``mesh["tp"]``, ``(mesh, "tp")``, ``(mesh, 1)``); a DTensor input is refused.
+        group: the process group (default: the default group), a DeviceMesh dimension
+            (``mesh["tp"]``, ``(mesh, "tp")``, ``(mesh, 1)``); a DTensor input is refused.
         dim: the dimension to split along.
         sizes: every rank's part length along ``dim`` (default: an even split), passed by every
             rank or by none.
@@ -239,16 +242,18 @@ def scatter(
         This rank's part of ``src``'s ``x``.
 
     Raises:
-        CollectiveArgumentError: an argument is invalid on some rank (``src`` not a rank of the group, ``sizes`` that do not add up to ``x.shape[dim]``, ``x=None`` on ``src``); raised on every
-            rank of the group, before any data moves, naming the rank, the argument and what
-            was expected.
-        CollectiveMismatchError: the ranks' arguments do not fit together (``src``, sizes given on some ranks only, parts shaped unlike the source's), found while
-            the group's first calls are checked across ranks, in debug mode (``set_debug``) and,
-            after them, by the data guard (``set_guard``).
+        CollectiveArgumentError: an argument is invalid on some rank (``src`` not a rank of the
+            group, ``sizes`` that do not add up to ``x.shape[dim]``, ``x=None`` on ``src``); raised
+            on every rank of the group, before any data moves, naming the rank, the argument and
+            what was expected.
+        CollectiveMismatchError: the ranks' arguments do not fit together (``src``, sizes given on
+            some ranks only, parts shaped unlike the source's), found while the group's first calls
+            are checked across ranks, in debug mode (``set_debug``) and, after them, by the data
+            guard (``set_guard``).
         torch.distributed.DistBackendError: a peer's process died while this rank waited
-            (``PeerGoneError``, a subclass, when distgrad's liveness check saw it first), or a
-            peer never came within the group's timeout; the message names the op, the pass and
-            the peer (docs/faults.md).
+            (``PeerGoneError``, a subclass, when distgrad's liveness check saw it first), or a peer
+            never came within the group's timeout; the message names the op, the pass and the peer
+            (docs/faults.md).
 
     Example:
         >>> x = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)

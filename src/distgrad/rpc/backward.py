@@ -69,7 +69,8 @@ def backward(
             dead or unreachable worker, a timeout), naming the worker where it started.
         UnknownContextError: the id is not a live context on this worker.
         TypeError: an argument of the wrong type.
-        ValueError: a ``grad_tensors`` entry of the wrong shape, or of the wrong length.
+        ValueError: an unknown ``mode``; ``grad_tensors`` of another length than ``roots``, or
+            an entry of another shape than its root.
 
     Example:
         >>> x = torch.tensor([1.0, 2.0], requires_grad=True)
