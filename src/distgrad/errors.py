@@ -171,10 +171,10 @@ class RankFailedError(DistgradError):
 
     Example:
         >>> import operator
-        >>> dg.testing.run_on_ranks(operator.getitem, 2)  # getitem(rank, world_size) raises
+        >>> dg.testing.run_on_ranks(operator.getitem, 1)  # getitem(rank, world_size) raises
         Traceback (most recent call last):
         ...
-        distgrad.errors.RankFailedError: getitem failed on 2 of 2 ranks (earliest first):
+        distgrad.errors.RankFailedError: getitem failed on 1 of 1 ranks (earliest first):
         ...
     """
 
