@@ -95,8 +95,8 @@ def set_guard(enabled: bool) -> None:
     costs 0.96x-1.30x on the reductions and broadcast and up to 2.27x on the ops that move
     pieces, on 2 gloo ranks (benchmarks/results/collectives.md; tens of microseconds of Python
     per exchange, and a copy of their input and output), above the 2% (large messages) and 5%
-    (small) that a default may cost. Costs and what it catches: docs/semantics.md, "The data guard". Every rank of a
-    group must agree on it.
+    (small) that a default may cost. Costs and what it catches: docs/semantics.md, "The data
+    guard". Every rank of a group must agree on it.
 
     Args:
         enabled: ``True`` to tag every collective's data, ``False`` (the default) not to.

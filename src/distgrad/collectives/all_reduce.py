@@ -116,9 +116,10 @@ def all_reduce(
             that differ), found while the group's first calls are checked across ranks, in debug
             mode (``set_debug``) and, after them, by the data guard (``set_guard``).
         torch.distributed.DistBackendError: a peer's process died while this rank waited
-            (``PeerGoneError``, a subclass, when distgrad's liveness check saw it first), or a peer
-            never came within the group's timeout; the message names the op, the pass and the peer
-            (docs/faults.md).
+            (``PeerGoneError``, a subclass, when distgrad's liveness check saw it first); the
+            message names the op, the pass and the peer (docs/faults.md).
+        RuntimeError: a peer never came within the group's timeout (the backend's timeout error,
+            with distgrad's account of who waited where first).
 
     Example:
         >>> def largest(rank, world_size):
