@@ -646,16 +646,20 @@ CELLS = [
     ),
     Cell("README.md", "the default tier {} s", *_FRONT, "python -m pytest -q", "median wall (s)"),
     Cell(
-        "README.md", "s ({}); both are faster", *_FRONT, "python -m pytest -q", "result", whole=True
+        "README.md",
+        "s ({}), under a load average",
+        *_FRONT,
+        "python -m pytest -q",
+        "result",
+        whole=True,
     ),
 ]
 
 
 @pytest.mark.parametrize("cell", CELLS, ids=[f"{c.page}: {c.row} / {c.column}" for c in CELLS])
 def test_each_cell_quoted_is_what_its_row_and_column_hold(cell: Cell) -> None:
-    assert cell_problem(cell, (ROOT / cell.page).read_text()) is None, cell_problem(
-        cell, (ROOT / cell.page).read_text()
-    )
+    problem = cell_problem(cell, (ROOT / cell.page).read_text())
+    assert problem is None, problem
 
 
 def test_a_figure_from_the_wrong_cell_is_caught() -> None:
