@@ -45,8 +45,8 @@ class DistgradError(Exception):
     """Base class of every error distgrad raises on purpose.
 
     Raised by:
-        Nothing directly: every error below derives from it, so ``except DistgradError`` catches
-        everything distgrad raises on purpose.
+        Nothing directly: every other error of ``distgrad.errors`` derives from it, so ``except
+        DistgradError`` catches everything distgrad raises on purpose.
 
     Example:
         >>> try:
