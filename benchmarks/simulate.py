@@ -2,10 +2,11 @@
 
 Two checks, each timed both ways in the same process, in a shuffled order every round:
 
-* the README's example: ``check_against_single_process(info_nce, {"q", "k"}, world_size=2)``
-  (examples/check_info_nce.py:info_nce), in Python: the call's wall time;
-* ``distgrad check examples/check_info_nce.py:info_nce`` as a user runs it, a new Python
-  process each time: the command's wall time, torch's import included.
+* the README's example, read from README.md and saved as ``check_info_nce.py`` in a temporary
+  folder, as the README says: ``check_against_single_process(info_nce, make_inputs(),
+  world_size=2)`` in Python (the call's wall time), and at 8 ranks;
+* ``distgrad check check_info_nce.py:info_nce`` on that saved file, as a user runs it, a new
+  Python process each time: the command's wall time, torch's import included.
 
 Reported: the median of the paired ratios (simulated over processes, same round) and each
 side's median, per run; then the range over runs. Writes benchmarks/results/simulate.md.
@@ -16,14 +17,19 @@ side's median, per run; then the range over runs. Writes benchmarks/results/simu
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib
 import os
 import random
+import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import torch
 import torch.distributed as dist
@@ -34,33 +40,31 @@ import distgrad as dg
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def info_nce(q: torch.Tensor, k: torch.Tensor, temperature: float = 0.1) -> torch.Tensor:
-    """The README's example, as it is written there."""
-    q, k = F.normalize(q, dim=1), F.normalize(k, dim=1)
-    keys = dg.all_gather(k)
-    logits = q @ keys.T / temperature
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    labels = torch.arange(len(q)) + rank * len(q)
-    return F.cross_entropy(logits, labels)
-
-
-def _readme_inputs() -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    q, k = (torch.randn(8, 16, dtype=torch.float64, generator=g) for _ in range(2))
-    return {"q": q, "k": k}
+@functools.cache
+def _readme_example() -> ModuleType:
+    """The README's first python block, saved as the README says (check_info_nce.py) in a
+    temporary folder, imported by module name as the checker's ranks import it."""
+    block = re.search(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    assert block is not None, "README.md has no python example"
+    folder = Path(tempfile.mkdtemp(prefix="distgrad-simulate-"))
+    (folder / "check_info_nce.py").write_text(block.group(1))
+    sys.path.insert(0, str(folder))
+    return importlib.import_module("check_info_nce")
 
 
 def _python_check(simulate: bool, world_size: int = 2) -> float:
+    readme = _readme_example()
     started = time.perf_counter()
     report = dg.testing.check_against_single_process(
-        info_nce, _readme_inputs(), world_size=world_size, simulate=simulate
+        readme.info_nce, readme.make_inputs(), world_size=world_size, simulate=simulate
     )
     assert report.ok, str(report)
     return time.perf_counter() - started
 
 
 def _cli_check(simulate: bool) -> float:
-    command = [sys.executable, "-m", "distgrad", "check", "examples/check_info_nce.py:info_nce"]
+    example = _readme_example().__file__
+    command = [sys.executable, "-m", "distgrad", "check", f"{example}:info_nce"]
     started = time.perf_counter()
     done = subprocess.run(
         [*command, *(["--simulate"] if simulate else [])],
@@ -108,7 +112,9 @@ def main() -> None:
         "",
         f"`benchmarks/simulate.py --rounds {args.rounds} --runs {args.runs}`: torch "
         f"{torch.__version__}, {os.cpu_count()} cores, load average {load:.2f} at the end "
-        "(the machine was shared with another engineer's work). Each round times both ways "
+        "(the machine was shared with other engineers' work). The example is the README's "
+        "as written there (`sizes=` given), saved as check_info_nce.py; `distgrad check` runs "
+        "on that file. Each round times both ways "
         "in a shuffled order; a ratio is simulated over processes in the same round "
         "(below 1: the simulation is faster).",
         "",

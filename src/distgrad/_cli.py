@@ -26,6 +26,11 @@ from distgrad.errors import DistgradError
 __all__ = ["main"]
 
 PREFIX = "distgrad: error:"  # every error the command prints starts with it
+# Said from a clone, where the README's install ran: the demo extra brings matplotlib.
+NO_PLOT = (
+    "no plot: matplotlib is not installed; for curves.png, in your clone of distgrad: "
+    'pip install -e ".[demo]" (or pip install matplotlib)'
+)
 
 
 class _UsageError(DistgradError):
@@ -189,7 +194,7 @@ def _run_demo(args: argparse.Namespace) -> int:
     print()
     print(f"report: {out / 'report.md'}")
     if png is None:
-        print("no plot: matplotlib is not installed (pip install 'distgrad[demo]')")
+        print(NO_PLOT)
     else:
         print(f"plot:   {out / png}")
     return 0

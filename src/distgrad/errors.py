@@ -48,7 +48,19 @@ __all__ = [
 
 
 class DistgradError(Exception):
-    """Base class of every error distgrad raises on purpose."""
+    """Base class of every error distgrad raises on purpose.
+
+    Raised by:
+        Nothing directly: every other error of ``distgrad.errors`` derives from it, so ``except
+        DistgradError`` catches everything distgrad raises on purpose.
+
+    Example:
+        >>> try:
+        ...     dg.all_reduce(torch.ones(2), op="mean")
+        ... except dg.errors.DistgradError as error:
+        ...     print(type(error).__name__)
+        CollectiveArgumentError
+    """
 
 
 class CollectiveArgumentError(DistgradError, ValueError):
@@ -56,6 +68,17 @@ class CollectiveArgumentError(DistgradError, ValueError):
 
     Raised on every rank of the group with the same message, which names the op, the rank that
     passed the argument, what it passed and what was expected.
+
+    Raised by:
+        Every collective (``distgrad.all_gather``, ...), loss and parallel pattern, at the call,
+        for an argument that is invalid on its own (an unknown op, a dim out of range, a sizes list
+        of the wrong length).
+
+    Example:
+        >>> dg.all_reduce(torch.ones(2), op="mean")
+        Traceback (most recent call last):
+        ...
+        distgrad.errors.CollectiveArgumentError: all_reduce(op='mean') on rank 0: op must be ...
     """
 
 
@@ -64,19 +87,67 @@ class CollectiveMismatchError(CollectiveArgumentError):
 
     Raised on every rank of the group with the same message, which names the op, the ranks
     that disagree and what each of them passed.
+
+    Raised by:
+        Every collective, loss and parallel pattern on two or more ranks, while the group's first
+        calls are checked across ranks, in debug mode (``set_debug``) and with the data guard
+        (``set_guard``).
+
+    Example:
+        >>> issubclass(dg.errors.CollectiveMismatchError, dg.errors.CollectiveArgumentError)
+        True
     """
 
 
 class CheckArgumentError(DistgradError, ValueError):
-    """The checker was given arguments it cannot use; raised before any process starts."""
+    """The checker was given arguments it cannot use; raised before any process starts.
+
+    Raised by:
+        ``distgrad.testing.check_against_single_process``, ``check_parallel_model``,
+        ``run_on_ranks(simulate=True)`` (code that cannot be simulated truthfully) and the
+        ``distgrad check`` command (exit 2).
+
+    Example:
+        >>> dg.testing.check_against_single_process(lambda x: x.sum(), {"y": torch.ones(2)})
+        Traceback (most recent call last):
+        ...
+        distgrad.errors.CheckArgumentError: <lambda>(x) cannot take the inputs y by name ...
+    """
 
 
 class NotALossError(DistgradError, TypeError):
-    """The function given to the checker returned something other than a scalar tensor."""
+    """The function given to the checker returned something other than a scalar tensor.
+
+    Raised by:
+        ``distgrad.testing.check_against_single_process`` and ``distgrad check``, from the
+        single-process run, before any rank starts.
+
+    Example:
+        >>> inputs = {"x": torch.ones(2, 1, dtype=torch.float64)}
+        >>> dg.testing.check_against_single_process(lambda x: x, inputs, simulate=True)
+        Traceback (most recent call last):
+        ...
+        distgrad.errors.NotALossError: ... loss as a scalar tensor, got Tensor(2, 1)
+    """
 
 
 class GradientMismatchError(DistgradError):
-    """A distributed computation's loss or gradients differ from the single-process reference."""
+    """A distributed computation's loss or gradients differ from the single-process reference.
+
+    Raised by:
+        ``distgrad.testing.check_against_single_process(raise_on_mismatch=True)`` and
+        ``check_parallel_model(raise_on_mismatch=True)``, with the report as its message.
+
+    Example:
+        >>> inputs = {"x": torch.ones(4, dtype=torch.float64)}  # a local sum, checked averaged
+        >>> dg.testing.check_against_single_process(
+        ...     lambda x: x.sum(), inputs, simulate=True, raise_on_mismatch=True
+        ... )
+        Traceback (most recent call last):
+        ...
+        distgrad.errors.GradientMismatchError: distgrad check on 2 ranks, ...: MISMATCH
+        ...
+    """
 
 
 class PeerGoneError(DistgradError, DistBackendError):
@@ -85,6 +156,13 @@ class PeerGoneError(DistgradError, DistBackendError):
     Raised (with distgrad's account of the op, the pass and the peer first) when gloo would
     not have failed the operation in flight. Also a ``torch.distributed.DistBackendError``,
     what gloo raises for a closed connection, so code written against torch catches it.
+
+    Raised by:
+        Any collective, loss or pattern waiting on a peer whose process has ended (docs/faults.md).
+
+    Example:
+        >>> issubclass(dg.errors.PeerGoneError, torch.distributed.DistBackendError)
+        True
     """
 
 
@@ -100,6 +178,17 @@ class RankFailedError(DistgradError):
 
     The message holds every failing rank's traceback, the earliest failure first; ``results``
     maps each rank whose function returned to its value.
+
+    Raised by:
+        ``distgrad.testing.run_on_ranks`` and the checkers that start ranks with it.
+
+    Example:
+        >>> import operator
+        >>> dg.testing.run_on_ranks(operator.getitem, 1)  # getitem(rank, world_size) raises
+        Traceback (most recent call last):
+        ...
+        distgrad.errors.RankFailedError: getitem failed on 1 of 1 ranks (earliest first):
+        ...
     """
 
     def __init__(self, message: str, results: dict[int, Any] | None = None) -> None:
@@ -121,8 +210,30 @@ class RpcAutogradError(DistgradError, RuntimeError):
 
     A ``RuntimeError`` too, as the errors of ``torch.distributed.autograd`` are, so code written
     against torch catches it.
+
+    Raised by:
+        ``distgrad.rpc.backward``, ``get_gradients``, ``DistributedOptimizer.step`` and the calls
+        recorded in a context, on the worker that started the work.
+
+    Example:
+        >>> try:
+        ...     dg.rpc.get_gradients(12345)
+        ... except dg.errors.RpcAutogradError as error:  # here its subclass, UnknownContextError
+        ...     print(type(error).__name__)
+        UnknownContextError
     """
 
 
 class UnknownContextError(RpcAutogradError):
-    """The autograd context id is unknown on this worker (never created, or already released)."""
+    """The autograd context id is unknown on this worker (never created, or already released).
+
+    Raised by:
+        ``distgrad.rpc.backward``, ``get_gradients`` and ``DistributedOptimizer.step`` given an id
+        that is not a live context on this worker.
+
+    Example:
+        >>> dg.rpc.get_gradients(12345)
+        Traceback (most recent call last):
+        ...
+        distgrad.errors.UnknownContextError: Could not find autograd context with id: 12345 ...
+    """

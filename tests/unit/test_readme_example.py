@@ -19,6 +19,7 @@ import importlib
 import inspect
 import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -112,7 +113,7 @@ README_BLOCKS = {
     (
         "bash",
         "pip install torch==2.13.0",
-    ): "test_readme_install_names_the_tested_torch_and_the_cpu_index",
+    ): "test_readme_front_door_runs_as_written_in_a_fresh_clone",
     ("python", "def info_nce"): "test_readme_example_runs_as_shown_and_the_checker_agrees",
     ("python", "# train.py"): "test_readme_torchrun_script_runs_under_torchrun_on_cpu",
     ("bash", "torchrun --standalone"): "test_readme_torchrun_script_runs_under_torchrun_on_cpu",
@@ -127,20 +128,140 @@ def test_every_readme_code_block_has_its_test() -> None:
         assert README_BLOCKS[keys[0]] in globals(), README_BLOCKS[keys[0]]
 
 
+CPU_INDEX = "--index-url https://download.pytorch.org/whl/cpu"
+CI = ROOT / ".ci" / "run"
+
+
+def _front_door() -> list[str]:
+    """The README's first bash block (the one right after its opening paragraph), as commands:
+    comments and blank lines left out."""
+    text = README.read_text()
+    opening = text[: text.index("## ")]
+    block = re.search(r"```bash\n(.*?)```", opening, re.S)
+    assert block is not None, "the README opens with no bash block"
+    return [c for c in (line.split("#")[0].strip() for line in block.group(1).splitlines()) if c]
+
+
+def _readme_install() -> list[str]:
+    """The front door's install steps: every line up to the last pip install."""
+    lines = _front_door()
+    last = max(i for i, line in enumerate(lines) if line.startswith("pip install"))
+    return lines[: last + 1]
+
+
+def _ci_install() -> list[str]:
+    """.ci/run's copy of the README's install block, between its two markers, comments out."""
+    text = CI.read_text()
+    block = text[text.index("# --- the README's install block") :]
+    block = block[: block.index("# --- end of the README's install block")]
+    return [c for c in (line.split("#")[0].strip() for line in block.splitlines()) if c]
+
+
 def test_readme_install_names_the_tested_torch_and_the_cpu_index() -> None:
-    """Installs need the network, so this checks what they name rather than running them: the
-    torch they pin is the torch the tests run with, from PyTorch's CPU wheel index."""
-    lines = [line.split("#")[0].split() for line in _block("bash", "pip install").splitlines()]
+    """Installs need the network, so this checks what they name rather than running them: a
+    virtual environment first, then the torch the tests run with from PyTorch's CPU wheel index,
+    then this clone with the extras the default tier and the demo need; then the two commands."""
+    lines = _front_door()
     tested = torch.__version__.split("+")[0]
-    assert [
-        "pip",
-        "install",
-        f"torch=={tested}",
-        "--index-url",
-        "https://download.pytorch.org/whl/cpu",
-    ] in lines
-    assert ["pip", "install", "-e", "."] in lines
+    assert lines[0].startswith("python3 -m venv .venv"), lines
+    assert f"pip install torch=={tested} {CPU_INDEX}" in lines
+    assert 'pip install -e ".[test,demo]"' in lines
+    assert lines[-2:] == ["distgrad demo", "python -m pytest -q"]
     assert f"Tested with torch {tested}" in README.read_text()
+
+
+def test_the_test_extra_holds_what_the_default_tier_imports() -> None:
+    """``pip install -e ".[test]"`` is all the default tier needs beyond torch: pyproject's
+    ``test`` extra names pytest, pytest-timeout (pyproject's timeout), hypothesis (the random
+    collectives) and expecttest (torch's own distributed test internals)."""
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    names = {re.split(r"[<>=!\[ ]", r)[0] for r in extras["test"]}
+    assert {"pytest", "pytest-timeout", "hypothesis", "expecttest"} <= names, names
+    assert {re.split(r"[<>=!\[ ]", r)[0] for r in extras["demo"]} == {"matplotlib"}
+
+
+def test_ci_installs_exactly_as_the_readme_says() -> None:
+    """.ci/run's install block is the README's, line for line, with two differences allowed:
+    the environment's folder (CI's ``"$venv"`` for the README's ``.venv``) and the CPU index,
+    which CI cannot reach (only PyPI is, where the plain pin is the CPU wheel)."""
+    readme = [
+        line.replace(".venv", '"$venv"').replace(f" {CPU_INDEX}", "") for line in _readme_install()
+    ]
+    assert _ci_install() == readme
+    ci = CI.read_text()
+    assert f"\n{_front_door()[-1]} " in ci, "CI runs the README's test command"
+
+
+def test_saved_readme_example_runs_under_the_distgrad_check_command(tmp_path: Path) -> None:
+    """The README's command-line check, run on the file the README has you save (its
+    ``make_inputs()`` gives the global batch): exit 0 and AGREE, simulated as ``--simulate``
+    runs it (the processes' run is the script test's)."""
+    script = tmp_path / "check_info_nce.py"
+    script.write_text(_example())
+    command = "distgrad check check_info_nce.py:info_nce"
+    assert f"`{command}`" in README.read_text()
+    result = subprocess.run(
+        [sys.executable, "-m", "distgrad", *command.split()[1:], "--simulate"],
+        capture_output=True, text=True, timeout=180, cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "AGREE" in result.stdout, result.stdout
+
+
+# The README's front door run as written, with its tests cut to a selection that exercises the
+# package (real processes on gloo) in seconds: the whole default tier is CI's own step.
+SELECTION = "tests/unit/test_readme_example.py -k runs_as_shown_and_the_checker_agrees"
+
+
+def _clone(into: Path) -> None:
+    """This checkout's files as a fresh clone has them: git's tracked files (and any new ones
+    it does not ignore), or the tree less the environments and caches when not a git checkout."""
+    listed = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    if listed.returncode == 0:
+        for name in filter(None, listed.stdout.split("\0")):
+            source = ROOT / name
+            if source.is_file():
+                (into / name).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(source, into / name)
+    else:
+        ignore = shutil.ignore_patterns(".venv", ".git", "__pycache__", "*.egg-info", ".*cache")
+        shutil.copytree(ROOT, into, ignore=ignore, dirs_exist_ok=True)
+
+
+@pytest.mark.slow  # a fresh virtual environment and torch installed into it: a minute or two
+def test_readme_front_door_runs_as_written_in_a_fresh_clone(tmp_path: Path) -> None:
+    """The README's opening block, run as written with bash in a copy of this checkout: a new
+    .venv, torch, this clone with its extras, the demo, the tests. Two steps differ, as CI's
+    do: the CPU index is left out (only PyPI is reachable; its plain pin is the CPU wheel), and
+    the tests are a selection (SELECTION). It must end with the demo's report and a green run."""
+    clone = tmp_path / "distgrad"
+    clone.mkdir()
+    _clone(clone)
+    lines = []
+    for line in _front_door():
+        line = line.replace(f" {CPU_INDEX}", "")
+        if line == "python -m pytest -q":
+            line = f"python -m pytest -q -p no:cacheprovider {SELECTION}"
+        lines.append(line)
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
+    result = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", "\n".join(lines)],
+        capture_output=True, text=True, timeout=900, cwd=clone, env={**env, "PIP_QUIET": "1"},
+    )  # fmt: skip
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-6000:]
+    assert "report: distgrad-demo/report.md" in result.stdout, output[-6000:]
+    assert (clone / "distgrad-demo" / "report.md").is_file()
+    assert (clone / "distgrad-demo" / "curves.png").is_file()  # the demo extra: the plot
+    assert re.search(r"\b\d+ passed\b", result.stdout.splitlines()[-1]), output[-3000:]
+    assert "failed" not in result.stdout.splitlines()[-1], output[-3000:]
 
 
 @pytest.mark.slow  # a torchrun launch; CI's slow part runs it
@@ -224,3 +345,27 @@ def test_contributing_model_op_is_the_real_all_to_all() -> None:
             return "swapped"
 
     assert op.adjoint(Plan()) == (op, "swapped")
+
+
+@pytest.mark.slow  # a demo run (4 s): CI's slow part runs this file
+def test_demo_without_its_extra_writes_the_report_and_says_how_to_get_the_plot(
+    tmp_path: Path,
+) -> None:
+    """Without matplotlib (the ``demo`` extra: made unimportable in the demo's process), the
+    demo still exits 0 with its report and says, in words that work from a clone, how to get
+    the plot: ``pip install -e ".[demo]"``."""
+    from distgrad._cli import NO_PLOT
+
+    blocked = (
+        "import sys; sys.modules['matplotlib'] = None; from distgrad._cli import main; "
+        "sys.exit(main(sys.argv[1:]))"
+    )
+    out = tmp_path / "out"
+    result = subprocess.run(
+        [sys.executable, "-c", blocked, "demo", "--steps", "2", "--output", str(out)],
+        capture_output=True, text=True, timeout=180, cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert NO_PLOT in result.stdout
+    assert 'pip install -e ".[demo]"' in NO_PLOT
+    assert (out / "report.md").is_file() and not (out / "curves.png").exists()

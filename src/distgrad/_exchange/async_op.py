@@ -115,6 +115,29 @@ class AsyncTensor(Tensor):
     operation that reads it waits for the exchange (and raises its error, if it failed); so
     does :meth:`wait`, which returns it as a plain tensor, still part of the autograd graph.
     ``.shape``, ``.dtype``, ``.device`` and ``.requires_grad`` never wait.
+
+    Args:
+        meta: a tensor on the meta device with the result's shape, strides and dtype.
+        device: the device the result will be on.
+        source: what waits for the exchange and returns the data; called once, at first use.
+
+    Raises:
+        Nothing when made (the collectives make it; users do not): the exchange's own error
+        (``CollectiveMismatchError``, ``DistBackendError``, as the blocking call raises it) at the
+        first use that reads the data, or at ``wait()``.
+
+    Example:
+        >>> arrived = []  # made by hand here, to show when it waits (on one rank the
+        >>> def exchange():  # collectives have nothing to wait for)
+        ...     arrived.append(True)
+        ...     return torch.tensor([1.0, 2.0])
+        >>> y = dg.AsyncTensor(torch.empty(2, device="meta"), torch.device("cpu"), exchange)
+        >>> y.shape, arrived  # the shape never waits
+        (torch.Size([2]), [])
+        >>> y * 3, arrived  # the first use does
+        (tensor([3., 6.]), [True])
+        >>> y.wait()
+        tensor([1., 2.])
     """
 
     _meta: Tensor

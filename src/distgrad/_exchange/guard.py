@@ -92,11 +92,28 @@ def set_guard(enabled: bool) -> None:
     argument) is then a :class:`~distgrad.errors.CollectiveMismatchError` instead of a
     silently wrong result.
     No extra message and no host synchronisation on CUDA. Off by default: forward+backward
-    measured 1.0x-1.3x on 2 and 4 gloo ranks for the reductions and broadcast, up to 2.2x at
-    4 MB for the ops that move pieces (tens of microseconds of Python per exchange, and a copy
-    of their input and output), above the 2% (large messages) and 5% (small) that a default
-    may cost. Costs and what it catches: docs/semantics.md, "The data guard". Every rank of a
-    group must agree on it.
+    costs 0.96x-1.30x on the reductions and broadcast and up to 2.27x on the ops that move
+    pieces, on 2 gloo ranks (benchmarks/results/collectives.md; tens of microseconds of Python
+    per exchange, and a copy of their input and output), above the 2% (large messages) and 5%
+    (small) that a default may cost. Costs and what it catches: docs/semantics.md, "The data
+    guard". Every rank of a group must agree on it.
+
+    Args:
+        enabled: ``True`` to tag every collective's data, ``False`` (the default) not to.
+
+    Returns:
+        None.
+
+    Raises:
+        Nothing itself; with the guard on, a call whose tags differ across ranks raises
+        ``CollectiveMismatchError`` on every rank that reads them (on CUDA at the group's next
+        guarded call).
+
+    Example:
+        >>> dg.set_guard(True)
+        >>> dg.all_gather(torch.arange(3.0), sizes=[3])  # the tags ride in the data, then go
+        tensor([0., 1., 2.])
+        >>> dg.set_guard(False)
     """
     global _enabled
     _enabled = bool(enabled)

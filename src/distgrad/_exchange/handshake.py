@@ -156,6 +156,23 @@ def set_debug(enabled: bool) -> None:
       different places must leave debug mode off).
 
     Each check costs one small collective. Every rank must use the same setting.
+
+    Args:
+        enabled: ``True`` to check every call across ranks, ``False`` for the default (the first
+            calls on each group only).
+
+    Returns:
+        None.
+
+    Raises:
+        Nothing itself; in debug mode every call raises ``CollectiveMismatchError`` on every rank
+        when the ranks' calls do not match (another op, shape, order or calling line).
+
+    Example:
+        >>> dg.set_debug(True)  # from here every call is checked across ranks
+        >>> dg.all_reduce(torch.ones(2))
+        tensor([1., 1.])
+        >>> dg.set_debug(False)
     """
     global _debug
     _debug = bool(enabled)

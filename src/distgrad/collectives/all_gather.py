@@ -146,6 +146,41 @@ def all_gather(
     ``async_op=True``: return at once an :class:`~distgrad.AsyncTensor`, which waits for the
     data on first use; the backward's exchange is started the same way (docs/semantics.md,
     "Overlap: async_op").
+
+    Args:
+        x: this rank's tensor; not modified.
+        group: the process group (default: the default group), a DeviceMesh dimension
+            (``mesh["tp"]``, ``(mesh, "tp")``, ``(mesh, 1)``); a DTensor input is refused.
+        dim: the dimension to concatenate along.
+        sizes: every rank's extent along ``dim``, the same list on every rank; given, the call
+            sends nothing but the data.
+        objective: ``"sum"`` (the losses of every rank add up) or ``"replicated"`` (every rank
+            computes the same loss, counted once).
+        async_op: return at once an ``AsyncTensor`` that waits for its data on first use.
+
+    Returns:
+        The concatenation of every rank's ``x`` along ``dim``, in rank order, on every rank.
+
+    Raises:
+        CollectiveArgumentError: an argument is invalid on some rank (``dim`` out of range,
+            ``sizes`` of the wrong length or not this rank's extent, an unknown ``objective``);
+            raised on every rank of the group, before any data moves, naming the rank, the argument
+            and what was expected.
+        CollectiveMismatchError: the ranks' arguments do not fit together (other dims, dtype,
+            device type or ``sizes`` that differ), found while the group's first calls are checked
+            across ranks, in debug mode (``set_debug``) and, after them, by the data guard
+            (``set_guard``).
+        torch.distributed.DistBackendError: a peer's process died while this rank waited
+            (``PeerGoneError``, a subclass, when distgrad's liveness check saw it first); the
+            message names the op, the pass and the peer (docs/faults.md).
+        RuntimeError: a peer never came within the group's timeout (the backend's timeout error,
+            with distgrad's account of who waited where first).
+
+    Example:
+        >>> def gathered(rank, world_size):  # every rank sends one row: its rank
+        ...     return dg.all_gather(torch.ones(1) * rank, sizes=[1] * world_size)
+        >>> dg.testing.run_on_ranks(gathered, 2, simulate=True)  # 2 ranks, simulated here
+        [tensor([0., 1.]), tensor([0., 1.])]
     """
     call = ALL_GATHER.bind(group, x, dim=dim, objective=objective, sizes=sizes)
     if call.group.size == 1:
@@ -194,6 +229,40 @@ def reduce_scatter(
     ``async_op=True``: return at once an :class:`~distgrad.AsyncTensor`, which waits for the
     data on first use; the backward's exchange is started the same way (docs/semantics.md,
     "Overlap: async_op").
+
+    Args:
+        x: this rank's tensor, the same shape on every rank; not modified.
+        op: ``"sum"``, ``"avg"``, ``"prod"``, ``"max"``, ``"min"`` or the matching
+            ``torch.distributed.ReduceOp``.
+        group: the process group (default: the default group), a DeviceMesh dimension
+            (``mesh["tp"]``, ``(mesh, "tp")``, ``(mesh, 1)``); a DTensor input is refused.
+        dim: the dimension to split along.
+        sizes: every rank's slice length along ``dim``, adding up to ``x.shape[dim]``, the same
+            list on every rank (default: an even split).
+        async_op: return at once an ``AsyncTensor`` that waits for its data on first use.
+
+    Returns:
+        This rank's slice, along ``dim``, of the reduction over ranks.
+
+    Raises:
+        CollectiveArgumentError: an argument is invalid on some rank (an unknown ``op``, ``sizes``
+            that do not add up to ``x.shape[dim]``, an extent that does not divide evenly); raised
+            on every rank of the group, before any data moves, naming the rank, the argument and
+            what was expected.
+        CollectiveMismatchError: the ranks' arguments do not fit together (shapes, dtypes or
+            ``sizes`` that differ), found while the group's first calls are checked across ranks,
+            in debug mode (``set_debug``) and, after them, by the data guard (``set_guard``).
+        torch.distributed.DistBackendError: a peer's process died while this rank waited
+            (``PeerGoneError``, a subclass, when distgrad's liveness check saw it first); the
+            message names the op, the pass and the peer (docs/faults.md).
+        RuntimeError: a peer never came within the group's timeout (the backend's timeout error,
+            with distgrad's account of who waited where first).
+
+    Example:
+        >>> def summed(rank, world_size):  # each rank holds [1, 2] * (rank + 1)
+        ...     return dg.reduce_scatter(torch.tensor([1.0, 2.0]) * (rank + 1))
+        >>> dg.testing.run_on_ranks(summed, 2, simulate=True)  # rank 0: 1 + 2; rank 1: 2 + 4
+        [tensor([3.]), tensor([6.])]
     """
     call = REDUCE_SCATTER.bind(group, x, op=op, dim=dim, sizes=sizes)
     if call["op"] == "sum" and call.group.size > 1:

@@ -94,6 +94,39 @@ def all_reduce(
     ``async_op=True``: return at once an :class:`~distgrad.AsyncTensor`, which waits for the
     data on first use; the backward's exchange is started the same way (docs/semantics.md,
     "Overlap: async_op").
+
+    Args:
+        x: this rank's tensor, the same shape on every rank; not modified.
+        op: ``"sum"``, ``"avg"``, ``"prod"``, ``"max"``, ``"min"`` or the matching
+            ``torch.distributed.ReduceOp``.
+        group: the process group (default: the default group), a DeviceMesh dimension
+            (``mesh["tp"]``, ``(mesh, "tp")``, ``(mesh, 1)``); a DTensor input is refused.
+        objective: ``"sum"`` (the losses of every rank add up) or ``"replicated"`` (every rank
+            computes the same loss, counted once).
+        async_op: return at once an ``AsyncTensor`` that waits for its data on first use.
+
+    Returns:
+        The elementwise reduction of every rank's ``x``, on every rank.
+
+    Raises:
+        CollectiveArgumentError: an argument is invalid on some rank (an unknown ``op`` or
+            ``objective``); raised on every rank of the group, before any data moves, naming the
+            rank, the argument and what was expected.
+        CollectiveMismatchError: the ranks' arguments do not fit together (shapes, dtypes or ops
+            that differ), found while the group's first calls are checked across ranks, in debug
+            mode (``set_debug``) and, after them, by the data guard (``set_guard``).
+        torch.distributed.DistBackendError: a peer's process died while this rank waited
+            (``PeerGoneError``, a subclass, when distgrad's liveness check saw it first); the
+            message names the op, the pass and the peer (docs/faults.md).
+        RuntimeError: a peer never came within the group's timeout (the backend's timeout error,
+            with distgrad's account of who waited where first).
+
+    Example:
+        >>> def largest(rank, world_size):
+        ...     x = torch.tensor([1.0, 5.0]) * (1 - rank) + torch.tensor([4.0, 2.0]) * rank
+        ...     return dg.all_reduce(x, "max")  # rank 0 holds [1, 5], rank 1 [4, 2]
+        >>> dg.testing.run_on_ranks(largest, 2, simulate=True)
+        [tensor([4., 5.]), tensor([4., 5.])]
     """
     call = SIGNATURE.bind(group, x, op=op, objective=objective)
     return apply_all_reduce(x, call.group, call["op"], objective, async_op)

@@ -105,6 +105,40 @@ def all_to_all(
     ``async_op=True``: return at once an :class:`~distgrad.AsyncTensor`, which waits for the
     data on first use; the backward's exchange is started the same way (docs/semantics.md,
     "Overlap: async_op").
+
+    Args:
+        x: this rank's tensor; not modified.
+        group: the process group (default: the default group), a DeviceMesh dimension
+            (``mesh["tp"]``, ``(mesh, "tp")``, ``(mesh, 1)``); a DTensor input is refused.
+        dim: the dimension to split and concatenate along.
+        input_sizes: the length of the part sent to each rank (default: an even split).
+        output_sizes: the length received from each rank; given with ``input_sizes``, the call
+            sends nothing but the data.
+        async_op: return at once an ``AsyncTensor`` that waits for its data on first use.
+
+    Returns:
+        The parts every rank sent to this one, concatenated along ``dim`` in rank order.
+
+    Raises:
+        CollectiveArgumentError: an argument is invalid on some rank (sizes of the wrong length or
+            that do not add up to ``x.shape[dim]``, ``output_sizes`` without ``input_sizes``);
+            raised on every rank of the group, before any data moves, naming the rank, the argument
+            and what was expected.
+        CollectiveMismatchError: the ranks' arguments do not fit together (sizes sent that are not
+            the sizes received, other dims or dtypes that differ), found while the group's first
+            calls are checked across ranks, in debug mode (``set_debug``) and, after them, by the
+            data guard (``set_guard``).
+        torch.distributed.DistBackendError: a peer's process died while this rank waited
+            (``PeerGoneError``, a subclass, when distgrad's liveness check saw it first); the
+            message names the op, the pass and the peer (docs/faults.md).
+        RuntimeError: a peer never came within the group's timeout (the backend's timeout error,
+            with distgrad's account of who waited where first).
+
+    Example:
+        >>> def swapped(rank, world_size):  # part i goes to rank i
+        ...     return dg.all_to_all(torch.tensor([10.0, 11.0]) + 10 * rank)
+        >>> dg.testing.run_on_ranks(swapped, 2, simulate=True)
+        [tensor([10., 20.]), tensor([11., 21.])]
     """
     call = SIGNATURE.bind(group, x, dim=dim, input_sizes=input_sizes, output_sizes=output_sizes)
     if call.group.size == 1:

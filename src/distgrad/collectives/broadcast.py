@@ -94,6 +94,38 @@ def broadcast(
     ``async_op=True``: return at once an :class:`~distgrad.AsyncTensor`, which waits for the
     data on first use; the backward's exchange is started the same way (docs/semantics.md,
     "Overlap: async_op").
+
+    Args:
+        x: this rank's tensor (only ``src``'s values are read), the same shape on every rank; not
+            modified.
+        src: the source, a rank within ``group``.
+        group: the process group (default: the default group), a DeviceMesh dimension
+            (``mesh["tp"]``, ``(mesh, "tp")``, ``(mesh, 1)``); a DTensor input is refused.
+        objective: ``"sum"`` (the losses of every rank add up) or ``"replicated"`` (every rank
+            computes the same loss, counted once).
+        async_op: return at once an ``AsyncTensor`` that waits for its data on first use.
+
+    Returns:
+        A copy of ``src``'s ``x``, on every rank.
+
+    Raises:
+        CollectiveArgumentError: an argument is invalid on some rank (``src`` not a rank of the
+            group, an unknown ``objective``); raised on every rank of the group, before any data
+            moves, naming the rank, the argument and what was expected.
+        CollectiveMismatchError: the ranks' arguments do not fit together (``src``, shapes or
+            dtypes that differ), found while the group's first calls are checked across ranks, in
+            debug mode (``set_debug``) and, after them, by the data guard (``set_guard``).
+        torch.distributed.DistBackendError: a peer's process died while this rank waited
+            (``PeerGoneError``, a subclass, when distgrad's liveness check saw it first); the
+            message names the op, the pass and the peer (docs/faults.md).
+        RuntimeError: a peer never came within the group's timeout (the backend's timeout error,
+            with distgrad's account of who waited where first).
+
+    Example:
+        >>> def copied(rank, world_size):
+        ...     return dg.broadcast(torch.full((2,), 7.0) + rank, src=1)  # rank 1 holds 8s
+        >>> dg.testing.run_on_ranks(copied, 2, simulate=True)
+        [tensor([8., 8.]), tensor([8., 8.])]
     """
     call = BROADCAST.bind(group, x, src=src, objective=objective)
     if call.group.size == 1:
@@ -133,6 +165,37 @@ def reduce(
     ``async_op=True``: return at once an :class:`~distgrad.AsyncTensor`, which waits for the
     data on first use; the backward's exchange is started the same way (docs/semantics.md,
     "Overlap: async_op").
+
+    Args:
+        x: this rank's tensor, the same shape on every rank; not modified.
+        dst: the destination, a rank within ``group``.
+        op: ``"sum"``, ``"avg"``, ``"prod"``, ``"max"``, ``"min"`` or the matching
+            ``torch.distributed.ReduceOp``.
+        group: the process group (default: the default group), a DeviceMesh dimension
+            (``mesh["tp"]``, ``(mesh, "tp")``, ``(mesh, 1)``); a DTensor input is refused.
+        async_op: return at once an ``AsyncTensor`` that waits for its data on first use.
+
+    Returns:
+        On ``dst`` the reduction of every rank's ``x``; on every other rank zeros of its shape.
+
+    Raises:
+        CollectiveArgumentError: an argument is invalid on some rank (``dst`` not a rank of the
+            group, an unknown ``op``); raised on every rank of the group, before any data moves,
+            naming the rank, the argument and what was expected.
+        CollectiveMismatchError: the ranks' arguments do not fit together (``dst``, ops, shapes or
+            dtypes that differ), found while the group's first calls are checked across ranks, in
+            debug mode (``set_debug``) and, after them, by the data guard (``set_guard``).
+        torch.distributed.DistBackendError: a peer's process died while this rank waited
+            (``PeerGoneError``, a subclass, when distgrad's liveness check saw it first); the
+            message names the op, the pass and the peer (docs/faults.md).
+        RuntimeError: a peer never came within the group's timeout (the backend's timeout error,
+            with distgrad's account of who waited where first).
+
+    Example:
+        >>> def summed(rank, world_size):
+        ...     return dg.reduce(torch.tensor([1.0, 2.0]) * (rank + 1), dst=0)
+        >>> dg.testing.run_on_ranks(summed, 2, simulate=True)  # rank 1 gets zeros
+        [tensor([3., 6.]), tensor([0., 0.])]
     """
     call = REDUCE.bind(group, x, dst=dst, op=op)
     if call.group.size == 1:

@@ -142,6 +142,43 @@ def gather(
     ``async_op=True``: return at once an :class:`~distgrad.AsyncTensor`, which waits for the
     data on first use; the backward's exchange is started the same way (docs/semantics.md,
     "Overlap: async_op").
+
+    Args:
+        x: this rank's tensor; not modified.
+        dst: the destination, a rank within ``group``.
+        group: the process group (default: the default group), a DeviceMesh dimension
+            (``mesh["tp"]``, ``(mesh, "tp")``, ``(mesh, 1)``); a DTensor input is refused.
+        dim: the dimension to concatenate along.
+        sizes: every rank's extent along ``dim``, the same list on every rank; given, the call
+            sends nothing but the data.
+        async_op: return at once an ``AsyncTensor`` that waits for its data on first use.
+
+    Returns:
+        On ``dst`` every rank's ``x`` concatenated along ``dim`` in rank order; on every other rank
+        an empty tensor (size 0 along ``dim``).
+
+    Raises:
+        CollectiveArgumentError: an argument is invalid on some rank (``dst`` not a rank of the
+            group, ``dim`` out of range, ``sizes`` of the wrong length or not this rank's extent);
+            raised on every rank of the group, before any data moves, naming the rank, the argument
+            and what was expected.
+        CollectiveMismatchError: the ranks' arguments do not fit together (``dst``, other dims or
+            dtypes that differ), found while the group's first calls are checked across ranks, in
+            debug mode (``set_debug``) and, after them, by the data guard (``set_guard``).
+        torch.distributed.DistBackendError: a peer's process died while this rank waited
+            (``PeerGoneError``, a subclass, when distgrad's liveness check saw it first); the
+            message names the op, the pass and the peer (docs/faults.md).
+        RuntimeError: a peer never came within the group's timeout (the backend's timeout error,
+            with distgrad's account of who waited where first).
+
+    Example:
+        >>> x = torch.tensor([1.0, 2.0], requires_grad=True)
+        >>> y = dg.gather(x, dst=0, sizes=[2])  # one rank: it is dst, and gets its own rows
+        >>> y
+        tensor([1., 2.], grad_fn=<...>)
+        >>> y.backward(torch.tensor([3.0, 4.0]))  # the gradient is scattered back
+        >>> x.grad
+        tensor([3., 4.])
     """
     call = GATHER.bind(group, x, dst=dst, dim=dim, sizes=sizes)
     if call.group.size == 1:
@@ -190,6 +227,44 @@ def scatter(
     ``async_op=True``: return at once an :class:`~distgrad.AsyncTensor`, which waits for the
     data on first use; the backward's exchange is started the same way (docs/semantics.md,
     "Overlap: async_op").
+
+    Args:
+        x: on ``src`` the tensor to split; on the other ranks ``None``, or a tensor shaped like the
+            part it receives (with ``sizes``). Not modified.
+        src: the source, a rank within ``group``.
+        group: the process group (default: the default group), a DeviceMesh dimension
+            (``mesh["tp"]``, ``(mesh, "tp")``, ``(mesh, 1)``); a DTensor input is refused.
+        dim: the dimension to split along.
+        sizes: every rank's part length along ``dim`` (default: an even split), passed by every
+            rank or by none.
+        async_op: return at once an ``AsyncTensor`` that waits for its data on first use.
+
+    Returns:
+        This rank's part of ``src``'s ``x``.
+
+    Raises:
+        CollectiveArgumentError: an argument is invalid on some rank (``src`` not a rank of the
+            group, ``sizes`` that do not add up to ``x.shape[dim]``, ``x=None`` on ``src``); raised
+            on every rank of the group, before any data moves, naming the rank, the argument and
+            what was expected.
+        CollectiveMismatchError: the ranks' arguments do not fit together (``src``, sizes given on
+            some ranks only, parts shaped unlike the source's), found while the group's first calls
+            are checked across ranks, in debug mode (``set_debug``) and, after them, by the data
+            guard (``set_guard``).
+        torch.distributed.DistBackendError: a peer's process died while this rank waited
+            (``PeerGoneError``, a subclass, when distgrad's liveness check saw it first); the
+            message names the op, the pass and the peer (docs/faults.md).
+        RuntimeError: a peer never came within the group's timeout (the backend's timeout error,
+            with distgrad's account of who waited where first).
+
+    Example:
+        >>> x = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
+        >>> y = dg.scatter(x, src=0)  # one rank: the whole tensor is its part
+        >>> y
+        tensor([1., 2., 3.], grad_fn=<...>)
+        >>> y.backward(torch.tensor([1.0, 0.0, 2.0]))  # the gradient is gathered back to src
+        >>> x.grad
+        tensor([1., 0., 2.])
     """
     call = SCATTER.bind(group, x, src=src, dim=dim, sizes=sizes)
     g, moved_dim, mine = call.group, call["dim"], call["sizes"]

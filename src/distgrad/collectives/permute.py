@@ -84,6 +84,40 @@ def permute(
     ``async_op=True``: return at once an :class:`~distgrad.AsyncTensor`, which waits for the
     data on first use; the backward's exchange is started the same way (docs/semantics.md,
     "Overlap: async_op").
+
+    Args:
+        x: this rank's tensor; not modified.
+        perm: ``perm[r]`` is the rank that rank r sends to: a permutation of the group's ranks, the
+            same on every rank.
+        group: the process group (default: the default group), a DeviceMesh dimension
+            (``mesh["tp"]``, ``(mesh, "tp")``, ``(mesh, 1)``); a DTensor input is refused.
+        recv_shape: the shape this rank receives; given on every rank, the call sends nothing but
+            the data.
+        async_op: return at once an ``AsyncTensor`` that waits for its data on first use.
+
+    Returns:
+        The tensor sent by the rank that maps to this one.
+
+    Raises:
+        CollectiveArgumentError: an argument is invalid on some rank (``perm`` not a permutation of
+            the group's ranks, ``recv_shape`` that is not a shape); raised on every rank of the
+            group, before any data moves, naming the rank, the argument and what was expected.
+        CollectiveMismatchError: the ranks' arguments do not fit together (``perm`` lists that
+            differ, a ``recv_shape`` unlike the shape sent, dtypes that differ), found while the
+            group's first calls are checked across ranks, in debug mode (``set_debug``) and, after
+            them, by the data guard (``set_guard``).
+        torch.distributed.DistBackendError: a peer's process died while this rank waited
+            (``PeerGoneError``, a subclass, when distgrad's liveness check saw it first); the
+            message names the op, the pass and the peer (docs/faults.md).
+        RuntimeError: a peer never came within the group's timeout (the backend's timeout error,
+            with distgrad's account of who waited where first).
+
+    Example:
+        >>> def shifted(rank, world_size):  # a ring: r sends to r + 1
+        ...     ring = [(r + 1) % world_size for r in range(world_size)]
+        ...     return dg.permute(torch.ones(1) * rank, ring, recv_shape=[1])
+        >>> dg.testing.run_on_ranks(shifted, 3, simulate=True)
+        [tensor([2.]), tensor([0.]), tensor([1.])]
     """
     call = SIGNATURE.bind(group, x, perm=perm, recv_shape=recv_shape)
     g, desc, calls = call.group, call.desc, call.calls

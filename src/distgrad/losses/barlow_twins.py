@@ -45,6 +45,37 @@ def barlow_twins(
     variances, one [D, D] correlation), never of the embeddings, plus the row-count exchange
     when ``sizes`` is not given; backward the same all_reduces of their gradients. Memory:
     [B_l, D] and [D, D].
+
+    Args:
+        view1: this rank's embeddings of the first view, [B_l, D].
+        view2: this rank's embeddings of the second view, [B_l, D].
+        lambda_offdiag: the weight of the off-diagonal terms.
+        eps: added to the variance before the standardisation divides by its square root.
+        group: the process group (default: the default group) or a DeviceMesh dimension.
+        sizes: every rank's row count, the same list on every rank (``[B_l] * world_size``); given,
+            the loss sends nothing but the embeddings and the value.
+
+    Returns:
+        The global batch's loss, a scalar, the same on every rank.
+
+    Raises:
+        CollectiveArgumentError: an invalid argument on some rank (views of different shapes,
+            ``sizes`` that are not every rank's row count, a ``block_size`` that is not positive);
+            raised on every rank of the group.
+        CollectiveMismatchError: the ranks' embeddings do not fit together (another dim or dtype),
+            found while the group's first calls are checked and in debug mode.
+        torch.distributed.DistBackendError: a peer died or never came (docs/faults.md).
+
+    Example:
+        >>> g = torch.Generator().manual_seed(0)
+        >>> view1, view2 = torch.randn(2, 8, 16, dtype=torch.float64, generator=g)
+        >>> round(dg.losses.barlow_twins(view1, view2).item(), 4)  # one process, the whole batch
+        19.5006
+        >>> inputs = {"view1": view1, "view2": view2}
+        >>> dg.testing.check_against_single_process(  # 4 ranks of 2 rows, simulated here
+        ...     dg.losses.barlow_twins, inputs, world_size=4, simulate=True
+        ... ).ok  # the same value and gradients
+        True
     """
     call = BARLOW_TWINS.bind(group, view2, view1=view1, sizes=sizes)
     g = call.group

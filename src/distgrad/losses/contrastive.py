@@ -176,6 +176,45 @@ def info_nce(
     (with negatives), 1 of [B + 1] (both directions) and a scalar all_reduce for the value;
     backward a reduce-scatter for each gather. Memory: [B_l, B (1 + m)] logits. The row-count
     exchange and the precision are common to every loss (module docstring).
+
+    Args:
+        query: this rank's queries, [B_l, D].
+        key: this rank's keys, [B_l, D]; row i is ``query[i]``'s positive.
+        negatives: this rank's hard negatives, [B_l, m, D] (the same m on every rank), or None.
+        directions: ``("query_to_key",)`` or ``("query_to_key", "key_to_query")``.
+        partition: with both directions, ``"joint"`` (one softmax over both sets) or
+            ``"per_direction"`` (the mean of the two cross-entropies).
+        temperature: a number or a tensor that requires grad; finite and positive.
+        normalize: L2-normalise the embeddings first (``False``: take them as given).
+        group: the process group (default: the default group) or a DeviceMesh dimension.
+        sizes: every rank's row count, the same list on every rank (``[B_l] * world_size``); given,
+            the loss sends nothing but the embeddings and the value.
+        block_size: ``None`` the dense path; an int the ring path, which never holds more than
+            ``[B_l, block_size]`` logits per rank; ``"auto"`` the dense path unless its logits
+            would be too large.
+
+    Returns:
+        The global batch's mean loss, a scalar, the same on every rank.
+
+    Raises:
+        CollectiveArgumentError: an invalid argument on some rank (``query`` and ``key`` of
+            different shapes, ``negatives`` not [B_l, m, D], unknown ``directions`` or
+            ``partition``, a temperature that is not finite and positive, ``sizes`` that are not
+            every rank's row count, a ``block_size`` that is not positive); raised on every rank of
+            the group.
+        CollectiveMismatchError: the ranks' embeddings do not fit together (another dim or dtype),
+            found while the group's first calls are checked and in debug mode.
+        torch.distributed.DistBackendError: a peer died or never came (docs/faults.md).
+
+    Example:
+        >>> g = torch.Generator().manual_seed(0)
+        >>> query, key = torch.randn(2, 8, 16, dtype=torch.float64, generator=g)
+        >>> round(dg.losses.info_nce(query, key).item(), 4)  # one process, the whole batch
+        3.6848
+        >>> dg.testing.check_against_single_process(  # 4 ranks of 2 rows, simulated here
+        ...     dg.losses.info_nce, {"query": query, "key": key}, world_size=4, simulate=True
+        ... ).ok  # the same value and gradients
+        True
     """
     call = INFO_NCE.bind(
         group,
@@ -310,6 +349,40 @@ def clip_loss(
     column logsumexps over its images, and its part of the value: no scalar all_reduce);
     backward 1 reduce-scatter of [B, D] and 1 of [W, B + 1]. Memory: one [B_l, B] logits
     block (saved for backward). Compute: 3 matmuls of B_l x D x B (one forward, two backward).
+
+    Args:
+        image: this rank's image embeddings, [B_l, D].
+        text: this rank's text embeddings, [B_l, D]; row i pairs with ``image[i]``.
+        logit_scale: the scale ``s`` of the cosine similarities, a number or a tensor that requires
+            grad.
+        normalize: L2-normalise the embeddings first (``False``: take them as given).
+        group: the process group (default: the default group) or a DeviceMesh dimension.
+        sizes: every rank's row count, the same list on every rank (``[B_l] * world_size``); given,
+            the loss sends nothing but the embeddings and the value.
+        block_size: ``None`` the dense path; an int the ring path, which never holds more than
+            ``[B_l, block_size]`` logits per rank; ``"auto"`` the dense path unless its logits
+            would be too large.
+
+    Returns:
+        The global batch's mean loss, a scalar, the same on every rank.
+
+    Raises:
+        CollectiveArgumentError: an invalid argument on some rank (``image`` and ``text`` of
+            different shapes, ``sizes`` that are not every rank's row count, a ``block_size`` that
+            is not positive); raised on every rank of the group.
+        CollectiveMismatchError: the ranks' embeddings do not fit together (another dim or dtype),
+            found while the group's first calls are checked and in debug mode.
+        torch.distributed.DistBackendError: a peer died or never came (docs/faults.md).
+
+    Example:
+        >>> g = torch.Generator().manual_seed(0)
+        >>> image, text = torch.randn(2, 8, 16, dtype=torch.float64, generator=g)
+        >>> round(dg.losses.clip_loss(image, text).item(), 4)  # one process, the whole batch
+        5.0409
+        >>> dg.testing.check_against_single_process(  # 4 ranks of 2 rows, simulated here
+        ...     dg.losses.clip_loss, {"image": image, "text": text}, world_size=4, simulate=True
+        ... ).ok  # the same value and gradients
+        True
     """
     call = CLIP_LOSS.bind(
         group, text, image=image, block_size=block_size, logit_scale=logit_scale, sizes=sizes
@@ -396,6 +469,40 @@ def nt_xent(
 
     Communication: forward 2 all_gathers of [B_l, D] and a scalar all_reduce; backward 2
     reduce-scatters of [B, D]. Memory: [2 B_l, 2 B].
+
+    Args:
+        view1: this rank's embeddings of the first view, [B_l, D].
+        view2: this rank's embeddings of the second view, [B_l, D]; row i is ``view1[i]``'s
+            positive.
+        temperature: a number or a tensor that requires grad; finite and positive.
+        normalize: L2-normalise the embeddings first (``False``: take them as given).
+        group: the process group (default: the default group) or a DeviceMesh dimension.
+        sizes: every rank's row count, the same list on every rank (``[B_l] * world_size``); given,
+            the loss sends nothing but the embeddings and the value.
+        block_size: ``None`` the dense path; an int the ring path, which never holds more than
+            ``[B_l, block_size]`` logits per rank; ``"auto"`` the dense path unless its logits
+            would be too large.
+
+    Returns:
+        The global batch's mean loss over its 2B anchors, a scalar, the same on every rank.
+
+    Raises:
+        CollectiveArgumentError: an invalid argument on some rank (views of different shapes, a
+            temperature that is not finite and positive, ``sizes`` that are not every rank's row
+            count, a ``block_size`` that is not positive); raised on every rank of the group.
+        CollectiveMismatchError: the ranks' embeddings do not fit together (another dim or dtype),
+            found while the group's first calls are checked and in debug mode.
+        torch.distributed.DistBackendError: a peer died or never came (docs/faults.md).
+
+    Example:
+        >>> g = torch.Generator().manual_seed(0)
+        >>> view1, view2 = torch.randn(2, 8, 16, dtype=torch.float64, generator=g)
+        >>> round(dg.losses.nt_xent(view1, view2).item(), 4)  # one process, the whole batch
+        2.8517
+        >>> dg.testing.check_against_single_process(  # 4 ranks of 2 rows, simulated here
+        ...     dg.losses.nt_xent, {"view1": view1, "view2": view2}, world_size=4, simulate=True
+        ... ).ok  # the same value and gradients
+        True
     """
     call = NT_XENT.bind(
         group, view2, view1=view1, block_size=block_size, temperature=temperature, sizes=sizes
@@ -443,6 +550,40 @@ def siglip_loss(
     Communication: forward 1 all_gather of the texts [B_l, D] and a scalar all_reduce;
     backward 1 reduce-scatter. Memory: one [B_l, B] logits block. Compute: 3 matmuls of
     B_l x D x B.
+
+    Args:
+        image: this rank's image embeddings, [B_l, D].
+        text: this rank's text embeddings, [B_l, D]; row i pairs with ``image[i]``.
+        logit_scale: the scale of the cosine similarities, a number or a tensor that requires grad.
+        logit_bias: the bias added to every logit, a number or a tensor that requires grad.
+        normalize: L2-normalise the embeddings first (``False``: take them as given).
+        group: the process group (default: the default group) or a DeviceMesh dimension.
+        sizes: every rank's row count, the same list on every rank (``[B_l] * world_size``); given,
+            the loss sends nothing but the embeddings and the value.
+        block_size: ``None`` the dense path; an int the ring path, which never holds more than
+            ``[B_l, block_size]`` logits per rank; ``"auto"`` the dense path unless its logits
+            would be too large.
+
+    Returns:
+        The global batch's loss, a scalar, the same on every rank.
+
+    Raises:
+        CollectiveArgumentError: an invalid argument on some rank (``image`` and ``text`` of
+            different shapes, ``sizes`` that are not every rank's row count, a ``block_size`` that
+            is not positive); raised on every rank of the group.
+        CollectiveMismatchError: the ranks' embeddings do not fit together (another dim or dtype),
+            found while the group's first calls are checked and in debug mode.
+        torch.distributed.DistBackendError: a peer died or never came (docs/faults.md).
+
+    Example:
+        >>> g = torch.Generator().manual_seed(0)
+        >>> image, text = torch.randn(2, 8, 16, dtype=torch.float64, generator=g)
+        >>> round(dg.losses.siglip_loss(image, text).item(), 4)  # one process, the whole batch
+        10.1753
+        >>> dg.testing.check_against_single_process(  # 4 ranks of 2 rows, simulated here
+        ...     dg.losses.siglip_loss, {"image": image, "text": text}, world_size=4, simulate=True
+        ... ).ok  # the same value and gradients
+        True
     """
     call = SIGLIP_LOSS.bind(
         group, text, image=image, block_size=block_size, logit_scale=logit_scale, sizes=sizes

@@ -117,7 +117,28 @@ class _Temperature(_LossModule):
 
 class NTXentLoss(_Temperature):
     """:func:`~distgrad.losses.nt_xent` with a temperature (learnable with ``learnable=True``,
-    stored as its log in the ``[1]`` parameter ``log_temperature``)."""
+    stored as its log in the ``[1]`` parameter ``log_temperature``).
+
+    Args:
+        temperature: the initial temperature.
+        learnable: make the temperature a parameter (its log, ``log_temperature``).
+        normalize: L2-normalise the embeddings first (``False``: take them as given).
+        group: the process group (default: the default group) or a DeviceMesh dimension.
+        block_size: ``None`` the dense path; an int the ring path, which never holds more than
+            ``[B_l, block_size]`` logits per rank; ``"auto"`` the dense path unless its logits
+            would be too large.
+
+    Raises:
+        ValueError: an invalid constructor argument (a temperature that is not finite and
+            positive); the forward raises as the functional loss does.
+
+    Example:
+        >>> loss_fn = dg.losses.NTXentLoss()
+        >>> [p.requires_grad for p in loss_fn.parameters()]  # a fixed temperature
+        [False]
+        >>> loss_fn(torch.eye(3), torch.eye(3)).shape
+        torch.Size([])
+    """
 
     def __init__(
         self,
@@ -146,7 +167,30 @@ class NTXentLoss(_Temperature):
 class InfoNCELoss(_Temperature):
     """:func:`~distgrad.losses.info_nce` with a temperature (learnable with ``learnable=True``,
     stored as its log in the ``[1]`` parameter ``log_temperature``); ``directions`` and
-    ``partition`` as the function takes them, hard negatives passed to the forward."""
+    ``partition`` as the function takes them, hard negatives passed to the forward.
+
+    Args:
+        temperature: the initial temperature.
+        learnable: make the temperature a parameter (its log, ``log_temperature``).
+        directions: as ``info_nce`` takes it.
+        partition: as ``info_nce`` takes it.
+        normalize: L2-normalise the embeddings first (``False``: take them as given).
+        group: the process group (default: the default group) or a DeviceMesh dimension.
+        block_size: ``None`` the dense path; an int the ring path, which never holds more than
+            ``[B_l, block_size]`` logits per rank; ``"auto"`` the dense path unless its logits
+            would be too large.
+
+    Raises:
+        ValueError: an invalid constructor argument (a temperature that is not finite and
+            positive); the forward raises as the functional loss does.
+
+    Example:
+        >>> loss_fn = dg.losses.InfoNCELoss(0.05, learnable=True)
+        >>> [name for name, _ in loss_fn.named_parameters()]
+        ['log_temperature']
+        >>> loss_fn(torch.eye(3), torch.eye(3)).item() < 1e-6  # every query finds its key
+        True
+    """
 
     def __init__(
         self,
@@ -194,6 +238,26 @@ class CLIPLoss(_LossModule):
     it the scale's gradient is 0. open_clip instead clamps the parameter after each optimizer
     step; for that behaviour pass ``max_logit_scale=math.inf`` and clamp after the step
     (docs/losses.md, "Coming from open_clip").
+
+    Args:
+        logit_scale: the initial scale (the parameter holds its log).
+        max_logit_scale: the largest scale the forward uses.
+        normalize: L2-normalise the embeddings first (``False``: take them as given).
+        group: the process group (default: the default group) or a DeviceMesh dimension.
+        block_size: ``None`` the dense path; an int the ring path, which never holds more than
+            ``[B_l, block_size]`` logits per rank; ``"auto"`` the dense path unless its logits
+            would be too large.
+
+    Raises:
+        ValueError: an invalid constructor argument (a scale that is not finite and positive); the
+            forward raises as the functional loss does.
+
+    Example:
+        >>> loss_fn = dg.losses.CLIPLoss()
+        >>> [name for name, _ in loss_fn.named_parameters()]
+        ['log_logit_scale']
+        >>> round(loss_fn(torch.eye(2), torch.eye(2)).item(), 6)  # matching pairs: near 0
+        1e-06
     """
 
     def __init__(
@@ -230,6 +294,26 @@ class SigLIPLoss(_LossModule):
 
     The keywords ``scale=`` and ``bias=`` of earlier releases still work and warn; checkpoints
     with the earlier parameter names ``log_scale`` and ``bias`` still load.
+
+    Args:
+        logit_scale: the initial scale (the parameter holds its log).
+        logit_bias: the initial bias.
+        normalize: L2-normalise the embeddings first (``False``: take them as given).
+        group: the process group (default: the default group) or a DeviceMesh dimension.
+        block_size: ``None`` the dense path; an int the ring path, which never holds more than
+            ``[B_l, block_size]`` logits per rank; ``"auto"`` the dense path unless its logits
+            would be too large.
+
+    Raises:
+        ValueError: an invalid constructor argument (a scale that is not finite and positive); the
+            forward raises as the functional loss does.
+
+    Example:
+        >>> loss_fn = dg.losses.SigLIPLoss()
+        >>> sorted(name for name, _ in loss_fn.named_parameters())
+        ['log_logit_scale', 'logit_bias']
+        >>> loss_fn(torch.eye(2), torch.eye(2)).shape  # a scalar
+        torch.Size([])
     """
 
     _renamed: ClassVar[dict[str, str]] = {"log_scale": "log_logit_scale", "bias": "logit_bias"}
@@ -263,7 +347,23 @@ class SigLIPLoss(_LossModule):
 
 
 class BarlowTwinsLoss(nn.Module):
-    """:func:`~distgrad.losses.barlow_twins` as a module (no learnable state)."""
+    """:func:`~distgrad.losses.barlow_twins` as a module (no learnable state).
+
+    Args:
+        lambda_offdiag: the weight of the off-diagonal terms.
+        eps: added to the variance before the standardisation divides by its square root.
+        group: the process group (default: the default group) or a DeviceMesh dimension.
+
+    Raises:
+        Nothing at construction; the forward raises as ``barlow_twins`` does.
+
+    Example:
+        >>> g = torch.Generator().manual_seed(0)
+        >>> view1, view2 = torch.randn(2, 8, 4, dtype=torch.float64, generator=g)
+        >>> loss_fn = dg.losses.BarlowTwinsLoss()
+        >>> torch.equal(loss_fn(view1, view2), dg.losses.barlow_twins(view1, view2))
+        True
+    """
 
     def __init__(
         self, lambda_offdiag: float = 5e-3, *, eps: float = 1e-5, group: GroupLike = None

@@ -80,6 +80,33 @@ def sync_batch_norm(
     reduce_scatter of ``[N, 2C + 1]``; evaluation none. Raises ``CollectiveArgumentError`` (a
     ``ValueError``; after the exchange, on every rank) when the ranks hold one value per
     channel in all.
+
+    Args:
+        x: this rank's rows ``[B_r, C, ...]``; not modified.
+        running_mean: the running mean ``[C]``, updated in place in training, or None.
+        running_var: the running variance ``[C]``, updated in place in training, or None.
+        weight: the affine scale ``[C]``, or None.
+        bias: the affine shift ``[C]``, or None.
+        group: the tensor- or sequence-parallel group (default: the default group) or a DeviceMesh
+            dimension.
+        training: use the batch's statistics (and update the running ones).
+        momentum: the running statistics' update factor.
+        eps: added to the variance before the square root.
+
+    Returns:
+        This rank's rows of the normalised whole batch.
+
+    Raises:
+        CollectiveArgumentError: in training, the ranks hold one value per channel in all (after
+            the exchange, on every rank).
+        RuntimeError: outside training without running statistics (torch's batch norm).
+        torch.distributed.DistBackendError: a peer died or never came (docs/faults.md).
+
+    Example:
+        >>> x = torch.randn(4, 3)
+        >>> out = dg.parallel.sync_batch_norm(x, None, None)  # one rank: torch's batch norm
+        >>> torch.allclose(out, torch.nn.functional.batch_norm(x, None, None, training=True))
+        True
     """
     call = SYNC_BATCH_NORM.bind(group, x, x=x)
     if not training:
@@ -117,6 +144,27 @@ class SyncBatchNorm(_BatchNorm):
     ``momentum=None`` keeps a cumulative average, as torch does. ``process_group`` takes any
     form of ``group=`` (a DeviceMesh dim included); ``group=`` and :meth:`convert` are kept as
     aliases. Gradient, communication and errors: :func:`sync_batch_norm`.
+
+    Args:
+        num_features: the channels ``C``.
+        eps: added to the variance before the square root.
+        momentum: the running statistics' update factor (None: a cumulative average).
+        affine: learn a scale and a shift.
+        track_running_stats: keep running statistics.
+        process_group: the group whose ranks share the statistics (any form of ``group=``).
+        device: where the parameters and buffers are made.
+        dtype: their dtype.
+        bias: learn the shift (with ``affine``).
+        group: an alias of ``process_group``.
+
+    Raises:
+        CollectiveArgumentError: ``process_group`` and ``group`` both given.
+
+    Example:
+        >>> bn = dg.parallel.SyncBatchNorm(3)
+        >>> x = torch.randn(4, 3)
+        >>> torch.allclose(bn(x), torch.nn.BatchNorm1d(3)(x))  # one rank: torch's layer
+        True
     """
 
     def __init__(

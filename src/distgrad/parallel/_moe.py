@@ -48,6 +48,24 @@ class Routing:
 
     Only ``weights`` carries gradient (to the router's logits); everything else is integer
     bookkeeping, computed once and used by both :func:`dispatch` and :func:`combine`.
+
+    Attributes:
+        group: the expert-parallel group.
+        experts: ``[T_r, k]`` the expert each token chose (global ids).
+        kept: ``[T_r, k]`` whether each choice was kept (False: the expert was full).
+        tokens: ``[A_r]`` the token of each kept assignment, in the order they are sent.
+        weights: ``[A_r]`` each kept assignment's gate weight, differentiable.
+        send_sizes: the assignments sent to each rank.
+        recv_sizes: the rows received from each rank.
+        by_expert: ``[R_r]`` where each received row goes once grouped by local expert.
+        local_experts: this rank's experts (global ids).
+        expert_sizes: the rows each local expert receives, in ``local_experts`` order.
+        dispatched: what ``dispatch`` returned, so that ``combine`` can tie an empty output to it.
+
+    Example:
+        >>> routing = dg.parallel.route(torch.tensor([[2.0, 0.0], [0.0, 3.0]]), k=1)
+        >>> routing.local_experts, routing.send_sizes
+        (range(0, 2), (2,))
     """
 
     group: ProcessGroup | None
@@ -113,6 +131,34 @@ def route(
 
     Communication: 1 all_gather of every rank's per-expert counts (``E`` int64 each; ``k E``
     with ``order="choice"``), read on the host: the split sizes change every step.
+
+    Args:
+        logits: this rank's router logits ``[T_r, E]``, or None with ``experts=``.
+        k: the experts each token chooses.
+        group: the tensor- or sequence-parallel group (default: the default group) or a DeviceMesh
+            dimension.
+        capacity: the most assignments an expert takes from the global batch (None: no limit).
+        experts_per_rank: every rank's expert count (default: as even as possible).
+        normalize: renormalise each token's ``k`` gate weights to sum to 1.
+        order: ``"token"`` or ``"choice"``: which assignments a full expert keeps.
+        experts: a decision made elsewhere, ``[T_r, k]`` global expert ids (int64).
+        weights: with ``experts``, the gate weights ``[T_r, k]`` (default ones).
+        kept: with ``experts``, ``[T_r, k]`` bools saying which choices are kept.
+        num_experts: with ``experts``, the number of experts ``E``.
+
+    Returns:
+        A ``Routing``: what ``dispatch`` and ``combine`` need.
+
+    Raises:
+        CollectiveArgumentError: ``k`` not between 1 and the experts, ``logits`` and ``experts``
+            both or neither given, an unknown ``order``; raised on every rank of the group.
+        torch.distributed.DistBackendError: a peer died or never came (docs/faults.md).
+
+    Example:
+        >>> logits = torch.tensor([[2.0, 0.0], [0.0, 3.0], [1.0, 0.5]])  # 3 tokens, 2 experts
+        >>> routing = dg.parallel.route(logits, k=1)
+        >>> routing.experts.flatten().tolist(), routing.expert_sizes
+        ([0, 1, 0], (2, 1))
     """
     call = ROUTE.bind(
         group,
@@ -254,6 +300,25 @@ def dispatch(x: Tensor, routing: Routing) -> Tensor:
 
     Communication: forward 1 all_to_all of [A_r, D] with the routing's sizes (no size
     exchange); backward 1 all_to_all of [R_r, D].
+
+    Args:
+        x: this rank's ``[T_r, D]`` tokens; not modified.
+        routing: the step's ``Routing``, from ``route``.
+
+    Returns:
+        ``[R_r, D]``: the rows for this rank's experts, grouped by expert.
+
+    Raises:
+        torch.distributed.DistBackendError: a peer died or never came (docs/faults.md). ``x``
+            is not checked against the routing: pass the tokens ``route`` saw.
+
+    Example:
+        >>> logits = torch.tensor([[2.0, 0.0], [0.0, 3.0], [1.0, 0.5]])
+        >>> routing = dg.parallel.route(logits, k=1)
+        >>> dg.parallel.dispatch(torch.tensor([[10.0], [20.0], [30.0]]), routing)
+        tensor([[10.],
+                [30.],
+                [20.]])
     """
     DISPATCH.bind(routing.group, x)
     rows = x.index_select(0, routing.tokens)  # [A_r, D], by destination expert
@@ -279,6 +344,27 @@ def combine(y: Tensor, routing: Routing) -> Tensor:
 
     Communication: forward 1 all_to_all of [R_r, D_out]; backward 1 all_to_all of
     [A_r, D_out].
+
+    Args:
+        y: the experts' outputs ``[R_r, D_out]`` for the rows ``dispatch`` returned, in order.
+        routing: the step's ``Routing``, from ``route``.
+
+    Returns:
+        ``[T_r, D_out]``: for each token, its experts' outputs weighted by the gates.
+
+    Raises:
+        CollectiveArgumentError: ``y`` whose row count is not what ``dispatch`` returned; raised on
+            every rank of the group.
+        torch.distributed.DistBackendError: a peer died or never came (docs/faults.md).
+
+    Example:
+        >>> logits = torch.tensor([[2.0, 0.0], [0.0, 3.0], [1.0, 0.5]])
+        >>> routing = dg.parallel.route(logits, k=1)  # normalised: every gate weight is 1
+        >>> rows = dg.parallel.dispatch(torch.tensor([[10.0], [20.0], [30.0]]), routing)
+        >>> dg.parallel.combine(2 * rows, routing)  # each token's expert output, home again
+        tensor([[20.],
+                [40.],
+                [60.]])
     """
     COMBINE.bind(routing.group, y, routing=routing)
     if y.shape[0] == 0 and routing.dispatched:

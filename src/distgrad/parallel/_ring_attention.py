@@ -258,6 +258,33 @@ def ring_attention(
     their accumulators [..., S, D + Dv] N times; plus the length exchange when ``sizes`` is
     not given. Memory: the saved inputs, output and lse, and the
     blocks in flight; never the whole K or V.
+
+    Args:
+        q: this rank's queries, ``[..., S_r, D]``.
+        k: this rank's keys, ``[..., S_r, D]``.
+        v: this rank's values, ``[..., S_r, Dv]``.
+        group: the tensor- or sequence-parallel group (default: the default group) or a DeviceMesh
+            dimension.
+        causal: mask the keys after each query, by global position.
+        scale: the logits' scale (default ``1/sqrt(D)``).
+        sizes: every rank's block length ``S_r``; given, no lengths are exchanged.
+
+    Returns:
+        ``[..., S_r, Dv]``: this rank's rows of attention over the whole sequence.
+
+    Raises:
+        CollectiveArgumentError: ``q``, ``k`` and ``v`` whose dims do not fit, ``sizes`` not every
+            rank's length; raised on every rank of the group.
+        CollectiveMismatchError: leading dims that differ across ranks (while checked).
+        torch.distributed.DistBackendError: a peer died or never came (docs/faults.md).
+
+    Example:
+        >>> g = torch.Generator().manual_seed(0)
+        >>> q, k, v = torch.randn(3, 1, 2, 5, 4, generator=g)  # [batch, heads, S, D]
+        >>> out = dg.parallel.ring_attention(q, k, v, causal=True)  # one rank: the whole sequence
+        >>> want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        >>> torch.allclose(out, want, atol=1e-6)
+        True
     """
     call = RING_ATTENTION.bind(group, q, k=k, v=v, sizes=sizes)
     group, g = as_process_group(group, "ring_attention"), call.group

@@ -90,6 +90,23 @@ def copy_to_region(x: Tensor, group: GroupLike = None) -> Tensor:
     :func:`reduce_from_region`. ``x`` is not modified.
 
     Communication: forward none; backward 1 all_reduce of ``x``'s shape.
+
+    Args:
+        x: the replicated input, the same on every rank; not modified.
+        group: the tensor- or sequence-parallel group (default: the default group) or a DeviceMesh
+            dimension.
+
+    Returns:
+        ``x`` itself, as a view.
+
+    Raises:
+        torch.distributed.DistBackendError: a peer died or never came (docs/faults.md).
+
+    Example:
+        >>> x = torch.ones(2, requires_grad=True)
+        >>> dg.parallel.copy_to_region(x).backward(torch.tensor([1.0, 2.0]))
+        >>> x.grad  # the sum over ranks of the gradient: one rank here
+        tensor([1., 2.])
     """
     COPY_TO_REGION.bind(group, x)
     return _CopyToRegion.apply(x, as_process_group(group, "copy_to_region"))  # type: ignore[no-untyped-call,no-any-return]
@@ -105,6 +122,22 @@ def reduce_from_region(x: Tensor, group: GroupLike = None) -> Tensor:
     :func:`copy_to_region`. ``x`` is not modified.
 
     Communication: forward 1 all_reduce of ``x``; backward none.
+
+    Args:
+        x: this rank's partial result; not modified.
+        group: the tensor- or sequence-parallel group (default: the default group) or a DeviceMesh
+            dimension.
+
+    Returns:
+        The sum over ranks of ``x``, on every rank.
+
+    Raises:
+        CollectiveMismatchError: the ranks' shapes or dtypes differ (while checked).
+        torch.distributed.DistBackendError: a peer died or never came (docs/faults.md).
+
+    Example:
+        >>> dg.parallel.reduce_from_region(torch.tensor([1.0, 2.0]))  # one rank: its own
+        tensor([1., 2.])
     """
     REDUCE_FROM_REGION.bind(group, x)
     group = as_process_group(group, "reduce_from_region")
@@ -134,6 +167,27 @@ def gather_from_sequence(
 
     Communication: forward 1 all_gather of [T_r, ...]; backward 1 reduce_scatter of [T, ...]
     under ``"sum"``, none under ``"replicated"``.
+
+    Args:
+        x: this rank's rows; not modified.
+        group: the tensor- or sequence-parallel group (default: the default group) or a DeviceMesh
+            dimension.
+        sizes: every rank's row count ``T_r``; given, nothing but the data is sent.
+        objective: ``"sum"`` (the losses of every rank add up) or ``"replicated"`` (every rank
+            computes the same loss, counted once: Megatron's convention).
+        dim: the dimension to concatenate along (-1: a tensor-parallel output's features).
+
+    Returns:
+        Every rank's rows concatenated along ``dim`` in rank order.
+
+    Raises:
+        CollectiveArgumentError: ``sizes`` of the wrong length or not this rank's count, an unknown
+            ``objective``; raised on every rank of the group.
+        torch.distributed.DistBackendError: a peer died or never came (docs/faults.md).
+
+    Example:
+        >>> dg.parallel.gather_from_sequence(torch.arange(3.0), sizes=[3])  # one rank
+        tensor([0., 1., 2.])
     """
     GATHER_FROM_SEQUENCE.bind(group, x, objective=objective)
     group = as_process_group(group, "gather_from_sequence")
@@ -186,6 +240,26 @@ def split_to_sequence(
 
     Communication: forward none; backward none under ``"sum"``, 1 all_gather of [T_r, ...]
     under ``"replicated"``.
+
+    Args:
+        x: the tensor every rank holds whole; not modified.
+        group: the tensor- or sequence-parallel group (default: the default group) or a DeviceMesh
+            dimension.
+        sizes: every rank's row count (default: an even split).
+        objective: ``"sum"`` (the losses of every rank add up) or ``"replicated"`` (every rank
+            computes the same loss, counted once: Megatron's convention).
+        dim: the dimension to split (-1: the features).
+
+    Returns:
+        This rank's rows of ``x``.
+
+    Raises:
+        CollectiveArgumentError: ``sizes`` that do not add up to ``x.shape[dim]``, an unknown
+            ``objective``; raised on every rank of the group.
+
+    Example:
+        >>> dg.parallel.split_to_sequence(torch.arange(3.0), sizes=[3])  # one rank: every row
+        tensor([0., 1., 2.])
     """
     call = SPLIT_TO_SEQUENCE.bind(group, x, objective=objective, dim=dim, sizes=sizes)
     g, dim, sizes = call.group, call["dim"], call["sizes"]
@@ -207,6 +281,25 @@ def reduce_scatter_to_sequence(
     not modified.
 
     Communication: forward 1 reduce_scatter of [T, ...]; backward 1 all_gather of [T_r, ...].
+
+    Args:
+        x: this rank's partial ``[T, ...]`` result; not modified.
+        group: the tensor- or sequence-parallel group (default: the default group) or a DeviceMesh
+            dimension.
+        sizes: every rank's row count ``T_r`` (default: an even split of ``T``).
+        dim: the dimension to split along.
+
+    Returns:
+        This rank's rows of the sum over ranks.
+
+    Raises:
+        CollectiveArgumentError: ``sizes`` that do not add up to ``x.shape[dim]``; raised on every
+            rank of the group.
+        torch.distributed.DistBackendError: a peer died or never came (docs/faults.md).
+
+    Example:
+        >>> dg.parallel.reduce_scatter_to_sequence(torch.arange(3.0))  # one rank: every row
+        tensor([0., 1., 2.])
     """
     REDUCE_SCATTER_TO_SEQUENCE.bind(group, x)
     group = as_process_group(group, "reduce_scatter_to_sequence")
@@ -249,6 +342,35 @@ def column_parallel_linear(
     backward 1 reduce_scatter of [T, D_in] with ``sequence_parallel``, 1 all_reduce of
     ``x`` under ``"replicated"``, else none. ``gather_output`` adds 1 all_gather of
     [..., H_r] forward and, under ``"sum"``, 1 reduce_scatter of [..., H] backward.
+
+    Args:
+        x: the whole input ``[..., D_in]``, or with ``sequence_parallel`` this rank's ``T_r`` rows.
+        weight: this rank's rows of the full weight, ``[H_r, D_in]``.
+        bias: this rank's ``[H_r]`` entries of the bias, or None.
+        group: the tensor- or sequence-parallel group (default: the default group) or a DeviceMesh
+            dimension.
+        sequence_parallel: ``x`` is this rank's rows, gathered first.
+        sizes: with ``sequence_parallel``, every rank's row count ``T_r``.
+        objective: ``"sum"`` (the losses of every rank add up) or ``"replicated"`` (every rank
+            computes the same loss, counted once: Megatron's convention).
+        gather_output: return every rank's features, the whole ``[..., H]``.
+        splits: with ``gather_output``, every rank's ``H_r``.
+
+    Returns:
+        ``[..., H_r]``, this rank's output features (``[..., H]`` with ``gather_output``).
+
+    Raises:
+        CollectiveArgumentError: ``sizes`` or ``splits`` that do not fit, an unknown ``objective``;
+            raised on every rank of the group.
+        RuntimeError: ``x``'s features do not match ``weight`` (torch's matmul).
+        torch.distributed.DistBackendError: a peer died or never came (docs/faults.md).
+
+    Example:
+        >>> linear = torch.nn.Linear(3, 4)  # one rank holds every output feature
+        >>> x = torch.randn(2, 3)
+        >>> y = dg.parallel.column_parallel_linear(x, linear.weight, linear.bias)
+        >>> torch.allclose(y, linear(x))
+        True
     """
     COLUMN_PARALLEL_LINEAR.bind(
         group,
@@ -304,6 +426,36 @@ def row_parallel_linear(
     reduce_scatter of [T, D_out]); backward 1 all_reduce of [..., D_out] under ``"sum"``, none
     under ``"replicated"`` (``sequence_parallel``: 1 all_gather of [T_r, D_out]); a whole
     input adds 1 all_gather of [..., H_r] backward under ``"replicated"``.
+
+    Args:
+        x: this rank's ``[..., H_r]`` features, or the whole ``[..., H]`` with
+            ``input_is_parallel=False``.
+        weight: this rank's columns of the full weight, ``[D_out, H_r]``.
+        bias: the whole ``[D_out]`` bias, added once after the sum, or None.
+        group: the tensor- or sequence-parallel group (default: the default group) or a DeviceMesh
+            dimension.
+        sequence_parallel: keep this rank's ``T_r`` rows of the result.
+        sizes: with ``sequence_parallel``, every rank's row count (default: an even split).
+        objective: ``"sum"`` (the losses of every rank add up) or ``"replicated"`` (every rank
+            computes the same loss, counted once: Megatron's convention).
+        input_is_parallel: ``x`` holds this rank's features (default); False: the whole input.
+        splits: with ``input_is_parallel=False``, every rank's ``H_r``.
+
+    Returns:
+        ``[..., D_out]``, the same on every rank, or this rank's rows with ``sequence_parallel``.
+
+    Raises:
+        CollectiveArgumentError: ``sizes`` or ``splits`` that do not fit, an unknown ``objective``;
+            raised on every rank of the group.
+        RuntimeError: ``x``'s features do not match ``weight`` (torch's matmul).
+        torch.distributed.DistBackendError: a peer died or never came (docs/faults.md).
+
+    Example:
+        >>> linear = torch.nn.Linear(4, 2)  # one rank holds every input feature
+        >>> x = torch.randn(3, 4)
+        >>> y = dg.parallel.row_parallel_linear(x, linear.weight, linear.bias)
+        >>> torch.allclose(y, linear(x))
+        True
     """
     call = ROW_PARALLEL_LINEAR.bind(
         group,
@@ -383,6 +535,31 @@ class ColumnParallelLinear(_ParallelLinear):
     on every rank. ``group`` takes any form of ``group=`` (a DeviceMesh dim included);
     ``layer.group`` is its ``ProcessGroup``. :meth:`from_linear` takes this rank's rows of an
     existing ``nn.Linear``. Gradient and communication: :func:`column_parallel_linear`.
+
+    Args:
+        in_features: the input width.
+        out_features: the whole output width ``H``, split over the ranks.
+        bias: whether the layer has a bias.
+        group: the tensor- or sequence-parallel group (default: the default group) or a DeviceMesh
+            dimension.
+        sequence_parallel: as ``column_parallel_linear`` takes it.
+        objective: ``"sum"`` (the losses of every rank add up) or ``"replicated"`` (every rank
+            computes the same loss, counted once: Megatron's convention).
+        gather_output: as ``column_parallel_linear`` takes it.
+        splits: every rank's ``H_r`` (default: as even as possible, larger first).
+        device: where the parameters are made.
+        dtype: the parameters' dtype.
+
+    Raises:
+        CollectiveArgumentError: ``splits`` that do not add up to ``out_features``; raised on every
+            rank of the group.
+
+    Example:
+        >>> layer = dg.parallel.ColumnParallelLinear(3, 4)
+        >>> layer.weight.shape  # this rank's rows: all of them, on one rank
+        torch.Size([4, 3])
+        >>> layer(torch.randn(2, 3)).shape
+        torch.Size([2, 4])
     """
 
     def __init__(
@@ -448,6 +625,31 @@ class RowParallelLinear(_ParallelLinear):
     any form of ``group=``; ``layer.group`` is its ``ProcessGroup``. :meth:`from_linear` takes
     this rank's columns of an existing ``nn.Linear``. Gradient and communication:
     :func:`row_parallel_linear`.
+
+    Args:
+        in_features: the whole input width ``H``, split over the ranks.
+        out_features: the output width.
+        bias: whether the layer has a bias.
+        group: the tensor- or sequence-parallel group (default: the default group) or a DeviceMesh
+            dimension.
+        sequence_parallel: as ``row_parallel_linear`` takes it.
+        objective: ``"sum"`` (the losses of every rank add up) or ``"replicated"`` (every rank
+            computes the same loss, counted once: Megatron's convention).
+        input_is_parallel: as ``row_parallel_linear`` takes it.
+        splits: every rank's ``H_r`` (default: as even as possible, larger first).
+        device: where the parameters are made.
+        dtype: the parameters' dtype.
+
+    Raises:
+        CollectiveArgumentError: ``splits`` that do not add up to ``in_features``; raised on every
+            rank of the group.
+
+    Example:
+        >>> linear = torch.nn.Linear(4, 2)
+        >>> layer = dg.parallel.RowParallelLinear.from_linear(linear)  # this rank's columns
+        >>> x = torch.randn(3, 4)
+        >>> torch.allclose(layer(x), linear(x))
+        True
     """
 
     def __init__(

@@ -97,7 +97,21 @@ def set_rpc_timeout(seconds: float) -> None:
 
 
 def current_context_id() -> int | None:
-    """The id of the distributed autograd context this thread is in, or ``None``."""
+    """The id of the distributed autograd context this thread is in, or ``None``.
+
+    Returns:
+        The open context's id on this thread, or None outside one.
+
+    Raises:
+        Nothing.
+
+    Example:
+        >>> dg.rpc.current_context_id() is None
+        True
+        >>> with dg.rpc.context() as context_id:
+        ...     dg.rpc.current_context_id() == context_id
+        True
+    """
     cid: int | None = getattr(_local, "context_id", None)
     return cid
 

@@ -37,6 +37,31 @@ def init_rpc(
     ``"env://"``), ``timeout`` (seconds, default 60; bounds every RPC, including the messages of
     a distributed backward) and ``num_worker_threads`` (a distributed backward holds one thread
     per hop while it waits, so chains deeper than that need more threads).
+
+    Args:
+        name: this worker's name, unique in the group.
+        backend: ``None`` or ``BackendType.TENSORPIPE``.
+        rank: this worker's rank.
+        world_size: the number of workers.
+        rpc_backend_options: torch's options; or the shortcuts below.
+        init_method: the rendezvous URL.
+        timeout: seconds every RPC may take (default 60).
+        num_worker_threads: threads of the agent's pool.
+
+    Returns:
+        None, once every worker of the group has joined.
+
+    Raises:
+        ValueError: another backend, or options and shortcuts both given.
+        RuntimeError: the rendezvous failed (torch's).
+
+    Example:
+        >>> import tempfile
+        >>> where = f"file://{tempfile.mkdtemp()}/rpc"
+        >>> dg.rpc.init_rpc("worker0", rank=0, world_size=1, init_method=where)
+        >>> dg.rpc.rpc_sync("worker0", torch.neg, args=(torch.ones(1),))
+        tensor([-1.])
+        >>> dg.rpc.shutdown()
     """
     if backend is not None and backend != _TENSORPIPE:
         raise ValueError(f"init_rpc: distgrad.rpc runs on TensorPipe only, got backend={backend}")
@@ -78,6 +103,23 @@ def shutdown(graceful: bool = True, timeout: float | None = None) -> None:
     contexts are dropped, its agent stopped) and then raises
     :class:`~distgrad.errors.RpcAutogradError` naming the workers it could not reach. Does
     nothing if this worker is not in an RPC group.
+
+    Args:
+        graceful: first wait until every worker calls ``shutdown``.
+        timeout: seconds to wait (default: the RPC timeout).
+
+    Returns:
+        None.
+
+    Raises:
+        RpcAutogradError: a worker was gone or did not arrive in time (this worker has left).
+
+    Example:
+        >>> import tempfile
+        >>> where = f"file://{tempfile.mkdtemp()}/rpc"
+        >>> dg.rpc.init_rpc("worker0", rank=0, world_size=1, init_method=where)
+        >>> dg.rpc.shutdown()
+        >>> dg.rpc.shutdown()  # not in a group: nothing to do
     """
     if not _is_current_rpc_agent_set():
         return

@@ -52,6 +52,33 @@ def backward(
     unreachable worker, a timeout), and :class:`~distgrad.errors.UnknownContextError` for an
     unknown context id; ``TypeError`` and ``ValueError`` for arguments of the wrong type or
     shape. A refused call changes nothing in the context.
+
+    Args:
+        context_id: the context's id, as ``context()`` gave it.
+        roots: the tensors to back-propagate from, on this worker.
+        retain_graph: keep the context's graph for another backward.
+        grad_tensors: the gradient of each root (None: ones, for a scalar root).
+        mode: ``"fast"`` or ``"smart"`` (docs/rpc.md).
+        timeout: seconds the pass may take (default: the RPC timeout).
+
+    Returns:
+        None; the gradients are in the context (``get_gradients`` on each worker).
+
+    Raises:
+        RpcAutogradError: invalid roots, or the pass failed (an exception in a backward function, a
+            dead or unreachable worker, a timeout), naming the worker where it started.
+        UnknownContextError: the id is not a live context on this worker.
+        TypeError: an argument of the wrong type.
+        ValueError: an unknown ``mode``; ``grad_tensors`` of another length than ``roots``, or
+            an entry of another shape than its root.
+
+    Example:
+        >>> x = torch.tensor([1.0, 2.0], requires_grad=True)
+        >>> with dg.rpc.context() as context_id:
+        ...     y = dg.rpc.rpc_sync("worker0", torch.exp, args=(x,))
+        ...     dg.rpc.backward(context_id, [y], grad_tensors=[torch.ones(2)], mode="smart")
+        ...     torch.allclose(dg.rpc.get_gradients(context_id)[x], x.exp())
+        True
     """
     if isinstance(context_id, bool) or not isinstance(context_id, int):
         raise TypeError(

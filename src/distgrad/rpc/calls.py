@@ -58,6 +58,26 @@ def rpc_sync(
     Inside a context, records a send/recv pair for the request and one for the response
     wherever they carry tensors that require grad. ``timeout`` in seconds (default: the RPC
     group's). An exception raised by ``func`` is raised here with its type, as torch does.
+
+    Args:
+        to: the worker, by name, ``WorkerInfo`` or rank.
+        func: what to run there: a picklable callable, a builtin or a TorchScript function.
+        args: its positional arguments.
+        kwargs: its keyword arguments.
+        timeout: seconds (default: the RPC group's).
+
+    Returns:
+        ``func``'s result.
+
+    Raises:
+        Exception: what ``func`` raised on ``to``, with its type, as torch raises it.
+        RpcAutogradError: inside a context, recording the call failed (a TorchScript function no
+            worker defines, a dead or unreachable worker).
+        RuntimeError: RPC is not initialised, or the call timed out (torch's).
+
+    Example:
+        >>> dg.rpc.rpc_sync("worker0", torch.add, args=(torch.ones(2), 1))
+        tensor([2., 2.])
     """
     context_id = _identity.current_context_id()
     if context_id is None:
@@ -78,7 +98,29 @@ def rpc_async(
     timeout: float = _UNSET,
 ) -> Future[T]:
     """Like :func:`rpc_sync`, but return a ``torch.futures.Future`` of the result; its
-    ``wait()`` raises ``func``'s exception with its type."""
+    ``wait()`` raises ``func``'s exception with its type.
+
+    Args:
+        to: the worker, by name, ``WorkerInfo`` or rank.
+        func: what to run there: a picklable callable, a builtin or a TorchScript function.
+        args: its positional arguments.
+        kwargs: its keyword arguments.
+        timeout: seconds (default: the RPC group's).
+
+    Returns:
+        A ``torch.futures.Future`` of ``func``'s result.
+
+    Raises:
+        Exception: what ``func`` raised on ``to``, with its type, as torch raises it.
+        RpcAutogradError: inside a context, recording the call failed (a TorchScript function no
+            worker defines, a dead or unreachable worker).
+        RuntimeError: RPC is not initialised, or the call timed out (torch's).
+
+    Example:
+        >>> future = dg.rpc.rpc_async("worker0", torch.mul, args=(torch.ones(2), 3))
+        >>> future.wait()
+        tensor([3., 3.])
+    """
     context_id = _identity.current_context_id()
     if context_id is None:
         return torch_rpc.rpc_async(to, func, args, kwargs, timeout)  # type: ignore[no-any-return]
@@ -108,6 +150,27 @@ def remote(
 
     Inside a context, the request records a send/recv pair as in :func:`rpc_sync`; the result
     keeps its autograd history on its owner, and :meth:`RRef.to_here` records the fetch.
+
+    Args:
+        to: the worker, by name, ``WorkerInfo`` or rank.
+        func: what to run there: a picklable callable, a builtin or a TorchScript function.
+        args: its positional arguments.
+        kwargs: its keyword arguments.
+        timeout: seconds (default: the RPC group's).
+
+    Returns:
+        An ``RRef`` to the result, owned by ``to``.
+
+    Raises:
+        Exception: what ``func`` raised on ``to``, with its type, as torch raises it.
+        RpcAutogradError: inside a context, recording the call failed (a TorchScript function no
+            worker defines, a dead or unreachable worker).
+        RuntimeError: RPC is not initialised, or the call timed out (torch's).
+
+    Example:
+        >>> rref = dg.rpc.remote("worker0", torch.add, args=(torch.ones(2), 1))
+        >>> rref.owner_name(), rref.to_here()
+        ('worker0', tensor([2., 2.]))
     """
     context_id = _identity.current_context_id()
     if context_id is None:
@@ -125,6 +188,17 @@ class RRef(Generic[T]):
     Wraps ``torch.distributed.rpc.RRef``. ``RRef(value)`` makes a reference owned by this
     worker. Inside a context, ``to_here()`` records a send on the owner and a recv here for the
     tensors that require grad, so gradients flow back to the owner's graph.
+
+    Args:
+        value: the value this worker owns and the reference points to.
+
+    Raises:
+        RuntimeError: RPC is not initialised (torch's ``RRef``).
+
+    Example:
+        >>> rref = dg.rpc.RRef(torch.ones(2))
+        >>> rref.is_owner(), rref.to_here()
+        (True, tensor([1., 1.]))
     """
 
     def __init__(self, value: T) -> None:

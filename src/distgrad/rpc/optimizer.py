@@ -95,6 +95,25 @@ class DistributedOptimizer:
 
     Cost: construction, one RPC per owner; each step, one RPC per owner, in parallel. The local
     optimizers are dropped when this object is garbage collected.
+
+    Args:
+        optimizer_class: the local optimizer each owner makes (``torch.optim.SGD``, ...).
+        params_rref: references to the parameters, on their owners.
+        *args: ``optimizer_class``'s positional arguments after the parameters.
+        **kwargs: its keyword arguments.
+
+    Raises:
+        RpcAutogradError: an owner could not make its optimizer; ``step`` raises it naming every
+            owner that failed.
+
+    Example:
+        >>> w = torch.ones(2, requires_grad=True)
+        >>> optimizer = dg.rpc.DistributedOptimizer(torch.optim.SGD, [dg.rpc.RRef(w)], lr=0.5)
+        >>> with dg.rpc.context() as context_id:
+        ...     dg.rpc.backward(context_id, [(w * w).sum()])  # gradient 2 w
+        ...     optimizer.step(context_id)
+        >>> w
+        tensor([0., 0.], requires_grad=True)
     """
 
     def __init__(

@@ -37,7 +37,23 @@ __all__ = ["RemoteModule"]
 
 class RemoteModule(nn.Module):
     """``module_cls(*args, **kwargs)`` made on ``remote_device`` (``"worker1"`` or
-    ``"worker1/cpu"``) and run there by :meth:`forward`."""
+    ``"worker1/cpu"``) and run there by :meth:`forward`.
+
+    Args:
+        remote_device: the worker, with ``/cpu`` or nothing after it.
+        module_cls: the module's class.
+        args: its constructor's positional arguments.
+        kwargs: its constructor's keyword arguments.
+
+    Raises:
+        ValueError: a device other than the CPU.
+        Exception: what the module's constructor raised on the worker.
+
+    Example:
+        >>> layer = dg.rpc.RemoteModule("worker0", torch.nn.Linear, args=(2, 1))
+        >>> layer(torch.ones(3, 2)).shape  # run on worker0
+        torch.Size([3, 1])
+    """
 
     on: str
     device: str

@@ -42,6 +42,25 @@ def context(*, wait_for_release: bool = False) -> Iterator[int]:
     Cost: creating a context is local. On exit, the release for each worker it touched rides
     on this worker's next call to that worker made inside a context (no message of its own);
     releases that find no call within 5 ms go out as one message per worker.
+
+    Args:
+        wait_for_release: on exit, wait until every worker has dropped the context.
+
+    Returns:
+        A context manager; ``with`` it gives the context's id.
+
+    Raises:
+        RpcAutogradError: this thread is already in a context; with ``wait_for_release=True``, a
+            worker could not be reached to release it.
+
+    Example:
+        >>> x = torch.ones(2, requires_grad=True)
+        >>> with dg.rpc.context() as context_id:
+        ...     y = dg.rpc.rpc_sync("worker0", torch.mul, args=(x, 3))  # a recorded call
+        ...     dg.rpc.backward(context_id, [y.sum()])
+        ...     grads = dg.rpc.get_gradients(context_id)
+        >>> grads[x], x.grad  # the context holds the gradient; .grad is untouched
+        (tensor([3., 3.]), None)
     """
     if current_context_id() is not None:
         raise RpcAutogradError(  # torch's words first: programs and torch's tests match them
@@ -76,6 +95,22 @@ def get_gradients(context_id: int) -> dict[Tensor, Tensor]:
     Only tensors of this worker that a distributed backward reached appear; their ``.grad`` is
     untouched. Each gradient is a tensor of its own, like ``.grad`` (see docs/rpc.md).
     Raises :class:`~distgrad.errors.UnknownContextError` for an unknown id.
+
+    Args:
+        context_id: the context's id, as ``context()`` gave it.
+
+    Returns:
+        A dict from each of this worker's tensors that the backward reached to its gradient.
+
+    Raises:
+        UnknownContextError: the id is not a live context on this worker.
+
+    Example:
+        >>> w = torch.tensor([2.0], requires_grad=True)
+        >>> with dg.rpc.context() as context_id:
+        ...     dg.rpc.backward(context_id, [(w * w).sum()])
+        ...     dg.rpc.get_gradients(context_id)[w]
+        tensor([4.])
     """
     return _context.lookup(context_id).gradients()
 
@@ -107,6 +142,17 @@ def debug_state() -> dict[str, int]:
     ``release_messages_sent`` (release messages: for releases that found no call to ride on,
     or with ``wait_for_release=True``), ``release_failures`` and ``contexts_dropped_peer_gone``
     (contexts released because a worker they involve stopped answering).
+
+    Returns:
+        A dict of counts, by the names above.
+
+    Raises:
+        Nothing: before ``init_rpc`` and after ``shutdown`` too.
+
+    Example:
+        >>> state = dg.rpc.debug_state()
+        >>> state["contexts"], state["passes_in_flight"]  # no context is open
+        (0, 0)
     """
     contexts = _context.live_contexts()
     return {

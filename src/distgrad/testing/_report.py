@@ -67,6 +67,25 @@ class TensorCheck:
 
     ``rank`` is None for a parameter gradient combined over ranks. ``scale`` is the factor k
     that best fits ``got = k * expected`` (least squares), None when the expected gradient is 0.
+
+    Attributes:
+        name: the tensor's name: an input (``q``, ``input 0``) or ``param <name>``.
+        rank: the rank whose gradient this is; None for a parameter's, combined over ranks.
+        ok: whether it matches within the tolerances.
+        max_abs_error: the largest absolute difference from the expected gradient.
+        max_rel_error: the largest relative difference.
+        scale: the least-squares factor k in ``got = k * expected``; None when expected is 0.
+        note: what else the checker noticed about it (empty when nothing).
+
+    Example:
+        >>> g = torch.Generator().manual_seed(0)
+        >>> q, k = torch.randn(2, 4, 3, dtype=torch.float64, generator=g)
+        >>> report = dg.testing.check_against_single_process(
+        ...     dg.losses.info_nce, {"query": q, "key": k}, simulate=True
+        ... )
+        >>> check = report.checks[0]
+        >>> check.name, check.rank, check.ok, check.scale
+        ('query', 0, True, 1.0)
     """
 
     name: str
@@ -80,7 +99,30 @@ class TensorCheck:
 
 @dataclass
 class GradReport:
-    """What the checker found. ``ok`` is True when every loss and gradient agrees."""
+    """What the checker found. ``ok`` is True when every loss and gradient agrees.
+
+    Attributes:
+        world_size: the ranks the check ran on.
+        combine: how the ranks' gradients were combined: ``"averaged"`` or ``"summed"``.
+        reference_loss: the single-process loss.
+        losses: every rank's loss.
+        checks: every gradient's ``TensorCheck``, input gradients per rank.
+        diagnoses: what is wrong, in words (empty when everything agrees).
+        params_agree: for each way of combining (``"averaged"``, ``"summed"``), whether the
+            combined parameter gradients equal one process's; empty without parameters.
+        contracts: for each way of combining, whether every gradient satisfies that contract.
+
+    Example:
+        >>> g = torch.Generator().manual_seed(0)
+        >>> q, k = torch.randn(2, 4, 3, dtype=torch.float64, generator=g)
+        >>> report = dg.testing.check_against_single_process(
+        ...     dg.losses.info_nce, {"query": q, "key": k}, simulate=True
+        ... )
+        >>> report.ok, report.world_size, report.contracts
+        (True, 2, {'averaged': True, 'summed': False})
+        >>> print(str(report).splitlines()[0])
+        distgrad check on 2 ranks, gradients averaged over ranks: AGREE
+    """
 
     world_size: int
     combine: Combine
@@ -426,7 +468,31 @@ def _floats(values: Sequence[float]) -> str:
 @dataclass(frozen=True)
 class ParameterCheck:
     """One parameter's gradient (``what="grad"``) or update (``"update"``: what the optimizer
-    step changed, and the value after it) at one step."""
+    step changed, and the value after it) at one step.
+
+    Attributes:
+        step: the training step, from 0.
+        name: the parameter's name.
+        what: ``"grad"`` (its gradient) or ``"update"`` (its value after the step).
+        ok: whether it matches one process within the tolerances.
+        max_abs_error: the largest absolute difference from one process.
+        diagnosis: ``"agree"``, or what is wrong (a missing reduction, a scale, ...).
+
+    Example:
+        >>> g = torch.Generator().manual_seed(0)
+        >>> batch = (torch.randn(4, 2, dtype=torch.float64, generator=g),)
+        >>> report = dg.testing.check_parallel_model(
+        ...     lambda: torch.nn.Linear(2, 1).double(),  # the model
+        ...     lambda model, mesh: model,  # parallelized: unchanged, every rank the whole batch
+        ...     batch,
+        ...     lambda model, x: model(x).pow(2).mean(),  # the loss
+        ...     2,
+        ...     simulate=True,
+        ... )
+        >>> check = report.checks[0]
+        >>> check.step, check.name, check.what, check.diagnosis
+        (0, 'weight', 'grad', 'agree')
+    """
 
     step: int
     name: str
@@ -440,7 +506,29 @@ class ParameterCheck:
 
 @dataclass
 class ModelReport:
-    """What :func:`check_parallel_model` found; ``ok`` when every gradient and update agrees."""
+    """What :func:`check_parallel_model` found; ``ok`` when every gradient and update agrees.
+
+    Attributes:
+        mesh_shape: the mesh's shape.
+        mesh_dim_names: the mesh's dimension names.
+        reference_losses: the single-process loss at each step.
+        rank_losses: every rank's loss at each step, ``[step][rank]``.
+        checks: every parameter's ``ParameterCheck``, gradient and update, at every step.
+
+    Example:
+        >>> g = torch.Generator().manual_seed(0)
+        >>> batch = (torch.randn(4, 2, dtype=torch.float64, generator=g),)
+        >>> report = dg.testing.check_parallel_model(
+        ...     lambda: torch.nn.Linear(2, 1).double(),  # the model
+        ...     lambda model, mesh: model,  # parallelized: unchanged, every rank the whole batch
+        ...     batch,
+        ...     lambda model, x: model(x).pow(2).mean(),  # the loss
+        ...     2,
+        ...     simulate=True,
+        ... )
+        >>> report.ok, report.mesh_shape, report.mesh_dim_names
+        (True, (2,), ('dp',))
+    """
 
     mesh_shape: tuple[int, ...]
     mesh_dim_names: tuple[str, ...]

@@ -181,6 +181,45 @@ def check_against_single_process(
     Arguments it cannot use raise :class:`~distgrad.errors.CheckArgumentError`, and a function
     that returns no scalar tensor :class:`~distgrad.errors.NotALossError`, before any process
     starts.
+
+    Args:
+        fn: the loss: ``fn(*shards)`` or ``fn(model, *shards)``, this rank's scalar loss.
+        inputs: the global batch: a list or tuple of tensors, or a dict of name to tensor.
+        world_size: the ranks.
+        model: a picklable zero-argument factory of the model, or None.
+        shard_dim: the dimension the inputs are split along.
+        shard_sizes: every rank's shard size (default: as even as possible, larger first).
+        gradients: how training combines the ranks' gradients: ``"averaged"`` or ``"summed"``.
+        rtol: the relative tolerance (default: by dtype, above).
+        atol: the absolute tolerance (default: by dtype, above).
+        timeout: seconds the ranks may take.
+        raise_on_mismatch: raise ``GradientMismatchError`` instead of returning a mismatch.
+        debug: run the ranks in debug mode.
+        simulate: run every rank in this process instead of starting processes.
+
+    Returns:
+        A ``GradReport``: the losses, every gradient's check, and what is wrong.
+
+    Raises:
+        CheckArgumentError: arguments it cannot use, or (``simulate=True``) code that cannot be
+            simulated truthfully; before any process starts.
+        NotALossError: ``fn`` returned no scalar tensor.
+        GradientMismatchError: with ``raise_on_mismatch=True``, a mismatch.
+        RankFailedError: a rank failed or timed out.
+
+    Example:
+        >>> g = torch.Generator().manual_seed(0)
+        >>> q, k = torch.randn(2, 8, 3, dtype=torch.float64, generator=g)
+        >>> report = dg.testing.check_against_single_process(
+        ...     dg.losses.info_nce, {"query": q, "key": k}, world_size=4, simulate=True
+        ... )
+        >>> report.ok
+        True
+        >>> naive = dg.testing.check_against_single_process(  # a local sum, under DDP averaging
+        ...     lambda x: x.pow(2).sum(), {"x": q}, simulate=True
+        ... )
+        >>> naive.ok, naive.diagnoses[0][:33]
+        (False, 'every gradient is scaled by 1/2: ')
     """
     if world_size < 1:
         raise CheckArgumentError(f"world_size must be at least 1, got {world_size}")

@@ -167,6 +167,34 @@ def run_on_ranks(
     simulated truthfully raises :class:`~distgrad.errors.CheckArgumentError` (an error of
     ``fn`` itself propagates as it is); ``timeout``, ``collective_timeout``, ``grace`` and
     ``backend`` do not apply, and ``init`` must be ``"process_group"``.
+
+    Args:
+        fn: ``fn(rank, world_size, *args)``, defined at module level (it travels pickled).
+        world_size: the ranks.
+        args: more arguments for ``fn``; they must pickle.
+        timeout: seconds every rank may take.
+        collective_timeout: seconds a collective may wait for a missing peer (default: a third of
+            ``timeout``).
+        grace: seconds the other ranks get after the first failure before they are killed.
+        backend: the process group's backend.
+        init: ``"process_group"``, ``"rpc"`` or ``"none"``: what each process joins first.
+        simulate: run every rank in this process (``LocalTensorMode``) instead of processes.
+
+    Returns:
+        Every rank's return value, indexed by rank.
+
+    Raises:
+        RankFailedError: a rank raised, died, timed out, or failed on its way out.
+        CheckArgumentError: with ``simulate=True``, code that cannot be simulated truthfully.
+
+    Example:
+        >>> import operator
+        >>> dg.testing.run_on_ranks(operator.add, 2)  # rank + world_size, on 2 processes
+        [2, 3]
+        >>> def doubled(rank, world_size):  # simulated, a function defined anywhere will do
+        ...     return dg.all_reduce(torch.ones(1) * rank) * 2
+        >>> dg.testing.run_on_ranks(doubled, 3, simulate=True)  # 2 (0 + 1 + 2) on every rank
+        [tensor([6.]), tensor([6.]), tensor([6.])]
     """
     if simulate:
         if init != "process_group":

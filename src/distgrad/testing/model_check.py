@@ -206,6 +206,46 @@ def check_parallel_model(
     otherwise. Raises :class:`CheckArgumentError` before any process starts for arguments it
     cannot use, :class:`~distgrad.errors.RankFailedError` when a rank fails, and
     :class:`GradientMismatchError` with ``raise_on_mismatch`` on a mismatch.
+
+    Args:
+        make_model: a picklable zero-argument factory of the plain model.
+        parallelize: ``parallelize(model, mesh)`` returns the model to run on the ranks.
+        batch: the global batch: a tuple of tensors, or a dict passed by name.
+        loss_fn: ``loss_fn(model, *batch)`` returns the loss.
+        world_size: the ranks.
+        mesh_shape: the mesh's shape (default ``(world_size,)``).
+        mesh_dim_names: the mesh's dimension names.
+        data: the mesh dims the batch is split over (empty: every rank the whole batch).
+        steps: the training steps compared.
+        optimizer: makes the optimizer from the parameters (default SGD, lr 0.1).
+        rtol: the relative tolerance (default: by dtype, above).
+        atol: the absolute tolerance (default: by dtype, above).
+        timeout: seconds the ranks may take.
+        raise_on_mismatch: raise ``GradientMismatchError`` instead of returning a mismatch.
+        simulate: run every rank in this process instead of starting processes.
+
+    Returns:
+        A ``ModelReport``: every parameter's gradient and update against one process.
+
+    Raises:
+        CheckArgumentError: arguments it cannot use, or (``simulate=True``) code that cannot be
+            simulated truthfully; before any process starts.
+        RankFailedError: a rank failed or timed out.
+        GradientMismatchError: with ``raise_on_mismatch=True``, a mismatch.
+
+    Example:
+        >>> g = torch.Generator().manual_seed(0)
+        >>> batch = (torch.randn(4, 2, dtype=torch.float64, generator=g),)
+        >>> report = dg.testing.check_parallel_model(
+        ...     lambda: torch.nn.Linear(2, 1).double(),  # the model
+        ...     lambda model, mesh: model,  # parallelized: unchanged, every rank the whole batch
+        ...     batch,
+        ...     lambda model, x: model(x).pow(2).mean(),  # the loss
+        ...     2,
+        ...     simulate=True,
+        ... )
+        >>> report.ok
+        True
     """
     shape = tuple(mesh_shape) if mesh_shape is not None else (world_size,)
     if math.prod(shape) != world_size or min(shape, default=0) < 1:
