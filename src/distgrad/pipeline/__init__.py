@@ -58,6 +58,27 @@ def context(*, check: bool = False) -> Iterator[int]:
     On leaving, the sends still in flight are waited for, and a context some of whose
     recorded transfers no backward ran raises :class:`~distgrad.errors.PipelineError` (their
     peers would wait for those gradients). Contexts do not nest on one thread.
+
+    Args:
+        check: every message of the context carries its header (the same on every rank).
+
+    Returns:
+        A context manager that yields the context's id, for ``backward`` and
+        ``get_gradients``.
+
+    Raises:
+        PipelineError: entered inside another context on this thread, or left with recorded
+            transfers that no backward ran.
+
+    Example:
+        >>> from distgrad._demo.pipeline import two_stages
+        >>> dg.testing.run_on_ranks(two_stages, 2)  # `with dg.pipeline.context() as cid:`
+        [True, True]
+        >>> with dg.pipeline.context() as cid:  # one rank alone: a plain backward
+        ...     x = torch.ones(2, requires_grad=True)
+        ...     dg.pipeline.backward(cid, [(x * x).sum()])
+        >>> x.grad
+        tensor([2., 2.])
     """
     ctx = _records.open_context(check)
     clean = False

@@ -70,10 +70,33 @@ def backward(
     Communication: 1 message per transfer covered, the gradient, the opposite way to its
     forward message (a header of 16 int64 before it on the first 8 each way between two ranks).
 
-    Raises :class:`~distgrad.errors.PipelineError` for an unknown context,
-    :class:`~distgrad.errors.CollectiveMismatchError` when two ranks' backwards do not cover
-    the same transfers (checked calls), and the wait's errors (a dead peer, a timeout) naming
-    the rank and the transfer.
+    Args:
+        context_id: the id :func:`~distgrad.pipeline.context` yielded on this rank.
+        roots: this rank's losses (or outputs); none on a rank without a loss.
+        grad_tensors: a gradient per root (``None``: 1, for a one-element root).
+        microbatch: the transfers' label to run (``None``: every transfer not yet run).
+        weights: ``False`` runs the input half only (the received tensors' gradients, sent
+            on); :func:`backward_weights` runs the rest.
+        accumulate: ``"grad"`` (into ``.grad``) or ``"context"`` (:func:`get_gradients`).
+
+    Returns:
+        None; the gradients are in ``.grad`` or in the context.
+
+    Raises:
+        PipelineError: no such context on this rank, roots and ``grad_tensors`` that do not
+            pair up, or an input half whose weight half has not run.
+        CollectiveMismatchError: two ranks' backwards cover different transfers (checked
+            calls), naming both counts and the transfer.
+        torch.distributed.DistBackendError: a peer's process died while this rank waited for
+            a gradient, naming the rank and the transfer.
+        RuntimeError: a gradient never came within the group's timeout.
+
+    Example:
+        >>> from distgrad._demo.pipeline import two_stages, microbatches
+        >>> dg.testing.run_on_ranks(two_stages, 2)  # rank 0: backward(cid), no loss there
+        [True, True]
+        >>> dg.testing.run_on_ranks(microbatches, 2)  # backward(cid, ..., microbatch=m)
+        [True, True]
     """
     ctx = lookup(context_id)
     starts, grads = _roots(roots, grad_tensors)
@@ -109,6 +132,22 @@ def backward_weights(
 
     Cost: the engine runs from the same starts again (the input half's nodes run twice; torch's
     ``stage_backward_weight`` keeps the intermediate gradients instead).
+
+    Args:
+        context_id: the id :func:`~distgrad.pipeline.context` yielded on this rank.
+        microbatch: the microbatch whose input half ran.
+        accumulate: ``"grad"`` (into ``.grad``) or ``"context"`` (:func:`get_gradients`).
+
+    Returns:
+        None; the parameters' gradients are in ``.grad`` or in the context.
+
+    Raises:
+        PipelineError: no such context, or no input half of that microbatch waiting.
+
+    Example:
+        >>> from distgrad._demo.pipeline import split_backward
+        >>> dg.testing.run_on_ranks(split_backward, 2)  # weights=False, then the weights
+        [True, True]
     """
     ctx = lookup(context_id)
     steps = ctx.weight_steps.pop(microbatch, None)
@@ -124,7 +163,24 @@ def backward_weights(
 
 def get_gradients(context_id: int) -> dict[Tensor, Tensor]:
     """The gradients a ``backward(..., accumulate="context")`` of the context put there, by
-    leaf (``{parameter: gradient}``), as ``torch.distributed.autograd.get_gradients``."""
+    leaf (``{parameter: gradient}``), as ``torch.distributed.autograd.get_gradients``.
+
+    Args:
+        context_id: the id :func:`~distgrad.pipeline.context` yielded on this rank.
+
+    Returns:
+        A new dict from each leaf to its gradient; ``.grad`` is left untouched.
+
+    Raises:
+        PipelineError: no such context on this rank (read it inside the ``with`` block).
+
+    Example:
+        >>> w = torch.ones(2, requires_grad=True)
+        >>> with dg.pipeline.context() as cid:  # a rank's part; here, all of it
+        ...     dg.pipeline.backward(cid, [(w * 3).sum()], accumulate="context")
+        ...     dg.pipeline.get_gradients(cid)[w]
+        tensor([3., 3.])
+    """
     ctx = lookup(context_id)
     return {leaf: grad for leaf, grad in ctx.gradients.values()}
 

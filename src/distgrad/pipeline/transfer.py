@@ -28,20 +28,29 @@ __all__ = ["Transfer", "irecv", "isend", "recv", "send"]
 
 
 class Transfer:
-    """A send or receive in flight, from :func:`isend` or :func:`irecv`.
+    """A send or receive in flight, from :func:`isend` or :func:`irecv` (not made directly).
 
     :meth:`wait` finishes it: a send returns ``None``, a receive the tensor received (the same
     tensor on every later call). A transfer never waited for is waited for when its context
     ends; a receive's tensor exists only once waited for.
+
+    Example:
+        >>> from distgrad._demo.pipeline import microbatches  # irecv(...).wait(), isend
+        >>> dg.testing.run_on_ranks(microbatches, 2)  # each stage equals one process
+        [True, True]
     """
 
     __slots__ = ("_finish", "_pairs", "_result", "_waited")
+    _pairs: Pairs | None
+    _finish: Any  # a receive: makes the received tensor once the data is there
+    _result: Tensor | None
+    _waited: bool
 
-    def __init__(self, pairs: Pairs | None, finish: Any = None) -> None:
-        self._pairs = pairs
-        self._finish = finish  # a receive: makes the received tensor once the data is there
-        self._result: Tensor | None = None
-        self._waited = False
+    @classmethod
+    def _started(cls, pairs: Pairs | None, finish: Any = None) -> Transfer:
+        made = object.__new__(cls)
+        made._pairs, made._finish, made._result, made._waited = pairs, finish, None, False
+        return made
 
     def wait(self) -> Tensor | None:
         if not self._waited:
@@ -91,9 +100,33 @@ def isend(
     the first 8 sends to ``dst``, or every send in debug mode); backward 1 message of ``x``'s
     shape from ``dst``.
 
-    Raises :class:`~distgrad.errors.CollectiveArgumentError` for a bad ``dst``,
-    :class:`~distgrad.errors.CollectiveMismatchError` when a transfer's shape changes after
-    its checked calls, :class:`~distgrad.errors.PipelineError` outside a context.
+    Args:
+        x: the tensor to send; not modified (it must not be modified until the transfer
+            completes).
+        dst: the group rank to send to.
+        group: the process group (default: the default group), or a DeviceMesh dimension
+            (``mesh["pp"]``, ``(mesh, "pp")``).
+        microbatch: the label :func:`~distgrad.pipeline.backward`'s ``microbatch=`` selects.
+
+    Returns:
+        A :class:`Transfer` in flight; its ``wait()`` returns ``None``.
+
+    Raises:
+        CollectiveArgumentError: ``dst`` is not another rank of the group, or ``x`` is no
+            tensor.
+        CollectiveMismatchError: after its checked calls, the transfer's shape, dtype or
+            ``requires_grad`` differs from what its checked calls announced (make that step in
+            ``context(check=True)``).
+        PipelineError: called outside a :func:`~distgrad.pipeline.context`.
+        torch.distributed.DistBackendError: the peer's process died while this rank waited
+            (``PeerGoneError`` when distgrad's liveness check saw it first), naming the rank
+            and the transfer.
+        RuntimeError: the peer never received within the group's timeout.
+
+    Example:
+        >>> from distgrad._demo.pipeline import microbatches  # isend each microbatch
+        >>> dg.testing.run_on_ranks(microbatches, 2)
+        [True, True]
     """
     op = "isend"
     g = resolve(group, f"dg.pipeline.{op}")
@@ -123,12 +156,39 @@ def isend(
     # flight); a context waits for every send it started when it ends.
     if pairs is not None:
         ctx.keep(pairs)
-    return Transfer(pairs)
+    return Transfer._started(pairs)
 
 
 def send(x: Tensor, dst: int, group: GroupLike = None, *, microbatch: int | None = None) -> None:
-    """:func:`isend`, waited for: returns when ``x`` has been sent. Same arguments, cost and
-    errors."""
+    """:func:`isend`, waited for: returns when ``x`` has been sent (gloo's send waits until
+    the receiver has posted its buffer). Same cost as :func:`isend`.
+
+    Args:
+        x: the tensor to send; not modified.
+        dst: the group rank to send to.
+        group: the process group (default: the default group), or a DeviceMesh dimension.
+        microbatch: the label :func:`~distgrad.pipeline.backward`'s ``microbatch=`` selects.
+
+    Returns:
+        None, once sent.
+
+    Raises:
+        CollectiveArgumentError: ``dst`` is not another rank of the group, or ``x`` is no
+            tensor.
+        CollectiveMismatchError: after its checked calls, the transfer's shape, dtype or
+            ``requires_grad`` differs from what its checked calls announced (make that step in
+            ``context(check=True)``).
+        PipelineError: called outside a :func:`~distgrad.pipeline.context`.
+        torch.distributed.DistBackendError: the peer's process died while this rank waited
+            (``PeerGoneError`` when distgrad's liveness check saw it first), naming the rank
+            and the transfer.
+        RuntimeError: the peer never received within the group's timeout.
+
+    Example:
+        >>> from distgrad._demo.pipeline import two_stages  # rank 0 sends, rank 1 receives
+        >>> dg.testing.run_on_ranks(two_stages, 2)  # each stage's gradient: one process's
+        [True, True]
+    """
     isend(x, dst, group, microbatch=microbatch).wait()
 
 
@@ -156,12 +216,37 @@ def irecv(
     Communication: forward 1 message (and a header of 16 int64 on the first 8 receives from
     ``src``, or every one in debug mode); backward 1 message of the gradient to ``src``.
 
-    Raises :class:`~distgrad.errors.CollectiveMismatchError` on this rank when what arrives
-    differs from ``shape``/``dtype``/``requires_grad`` (checked calls), or when nothing says
-    what arrives; :class:`~distgrad.errors.CollectiveArgumentError` for a bad ``src``;
-    :class:`~distgrad.errors.PipelineError` outside a context. A receive whose sender never
-    sends fails at the group's timeout, one whose sender died within tens of milliseconds
-    (:class:`~distgrad.errors.PeerGoneError`), naming the rank and the transfer.
+    Args:
+        src: the group rank to receive from.
+        group: the process group (default: the default group), or a DeviceMesh dimension.
+        shape: the shape that arrives (else learned from the transfer's checked calls).
+        dtype: the dtype that arrives (else learned).
+        device: where to put it (default: ``like``'s, else the current CUDA device on NCCL,
+            the CPU otherwise).
+        like: a tensor whose shape, dtype and device to take.
+        requires_grad: whether the sent tensor requires grad (else learned; it decides
+            whether a gradient goes back).
+        microbatch: the label :func:`~distgrad.pipeline.backward`'s ``microbatch=`` selects.
+
+    Returns:
+        A :class:`Transfer` in flight; its ``wait()`` returns the received tensor.
+
+    Raises:
+        CollectiveArgumentError: ``src`` is not another rank of the group.
+        CollectiveMismatchError: what arrives differs from ``shape``/``dtype``/
+            ``requires_grad`` (checked calls: raised before the data is read), or nothing says
+            what arrives (a transfer with no checked call to learn from, and no ``shape=``).
+        PipelineError: called outside a :func:`~distgrad.pipeline.context`.
+        torch.distributed.DistBackendError: the sender's process died while this rank waited
+            (``PeerGoneError`` when distgrad's liveness check saw it first), within tens of
+            milliseconds, naming the rank and the transfer.
+        RuntimeError: nothing was sent within the group's timeout (a receive with no matching
+            send), naming the transfer.
+
+    Example:
+        >>> from distgrad._demo.pipeline import microbatches  # irecv(...).wait()
+        >>> dg.testing.run_on_ranks(microbatches, 2)
+        [True, True]
     """
     op = "irecv"
     g = resolve(group, f"dg.pipeline.{op}")
@@ -193,7 +278,7 @@ def irecv(
                 start_pairs([], [(buffer, src)], g, tag, what).wait()
             return _received(ctx, g, src, slot, microbatch, buffer, arrived.requires_grad)
 
-        return Transfer(None, finish_checked)
+        return Transfer._started(None, finish_checked)
     # Data only: what arrives is what the caller says, else what the checked calls taught.
     shape_ = wanted if wanted is not None else (known[0] if known else None)
     dtype_ = dtype if dtype is not None else (known[1] if known else None)
@@ -205,7 +290,7 @@ def irecv(
     buffer = torch.empty(shape_, dtype=dtype_, device=where)
     grad = requires_grad if requires_grad is not None else (known[2] if known else True)
     data = start_pairs([], [(buffer, src)], g, tag, what) if buffer.numel() else None
-    return Transfer(data, lambda: _received(ctx, g, src, slot, microbatch, buffer, grad))
+    return Transfer._started(data, lambda: _received(ctx, g, src, slot, microbatch, buffer, grad))
 
 
 def recv(
@@ -219,8 +304,41 @@ def recv(
     requires_grad: bool | None = None,
     microbatch: int | None = None,
 ) -> Tensor:
-    """:func:`irecv`, waited for: returns the tensor received. Same arguments, cost and
-    errors."""
+    """:func:`irecv`, waited for: returns the tensor received. Same cost as :func:`irecv`.
+
+    Args:
+        src: the group rank to receive from.
+        group: the process group (default: the default group), or a DeviceMesh dimension.
+        shape: the shape that arrives (else learned from the transfer's checked calls).
+        dtype: the dtype that arrives (else learned).
+        device: where to put it (default: ``like``'s, else the current CUDA device on NCCL,
+            the CPU otherwise).
+        like: a tensor whose shape, dtype and device to take.
+        requires_grad: whether the sent tensor requires grad (else learned; it decides
+            whether a gradient goes back).
+        microbatch: the label :func:`~distgrad.pipeline.backward`'s ``microbatch=`` selects.
+
+    Returns:
+        The received tensor; it requires grad when the sent one did, and its gradient goes
+        back to ``src`` in the backward.
+
+    Raises:
+        CollectiveArgumentError: ``src`` is not another rank of the group.
+        CollectiveMismatchError: what arrives differs from ``shape``/``dtype``/
+            ``requires_grad`` (checked calls: raised before the data is read), or nothing says
+            what arrives (a transfer with no checked call to learn from, and no ``shape=``).
+        PipelineError: called outside a :func:`~distgrad.pipeline.context`.
+        torch.distributed.DistBackendError: the sender's process died while this rank waited
+            (``PeerGoneError`` when distgrad's liveness check saw it first), within tens of
+            milliseconds, naming the rank and the transfer.
+        RuntimeError: nothing was sent within the group's timeout (a receive with no matching
+            send), naming the transfer.
+
+    Example:
+        >>> from distgrad._demo.pipeline import two_stages  # rank 1: recv(src=0, shape=...)
+        >>> dg.testing.run_on_ranks(two_stages, 2)
+        [True, True]
+    """
     received = irecv(
         src,
         group,
