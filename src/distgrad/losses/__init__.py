@@ -8,6 +8,7 @@ gather-based losses; the modules own the learnable temperature, logit scale and 
 
 from __future__ import annotations
 
+from distgrad.losses._blockwise import set_kernels
 from distgrad.losses.barlow_twins import barlow_twins
 from distgrad.losses.contrastive import clip_loss, info_nce, nt_xent, siglip_loss
 from distgrad.losses.modules import BarlowTwinsLoss, CLIPLoss, InfoNCELoss, NTXentLoss, SigLIPLoss
@@ -22,5 +23,6 @@ __all__ = [
     "clip_loss",
     "info_nce",
     "nt_xent",
+    "set_kernels",
     "siglip_loss",
 ]

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -58,8 +58,9 @@ from torch.autograd.function import FunctionCtx, once_differentiable
 
 from distgrad._exchange.group import Group, own_rows
 from distgrad._exchange.ring import Ring, run
+from distgrad.losses import _triton
 
-__all__ = ["KINDS", "ring_clip", "ring_reduce"]
+__all__ = ["KINDS", "Kernels", "ring_clip", "ring_reduce", "set_kernels"]
 
 KINDS = ("lse", "softplus")
 
@@ -74,6 +75,8 @@ class _Spec:
     columns: bool
     mask_self: bool
     block: int
+    kernel: bool = False  # the fused Triton kernels (losses/_triton.py) do each block's work
+    deterministic: bool = True
 
 
 @dataclass(frozen=True)
@@ -176,6 +179,8 @@ def _block_forward(
     block's column logsumexps [M] (CLIP; -inf past m), else None."""
     spec, m = plan.spec, keys.shape[0]
     t = spec.block
+    if spec.kernel:
+        return _kernel_forward(a, keys, scale, bias, plan, own, out)
     cols = keys.new_full((plan.width,), -math.inf) if spec.columns else None
     for i in range(0, a.shape[0], t):
         anchors, total = a[i : i + t], None
@@ -205,6 +210,8 @@ def _block_backward(
     """One rank's keys [m, D] into the gradients: the anchors', scale's and bias's in place
     (``sums``); returns this rank's part of the keys' gradient [M, D] (zeros past m)."""
     spec, t = plan.spec, plan.spec.block
+    if spec.kernel:
+        return _kernel_backward(a, keys, scale, bias, plan, own, rows, cols, sums)
     da, ds, db = sums
     dk = keys.new_zeros((plan.width, keys.shape[1]))
     out, g_out = rows
@@ -217,6 +224,56 @@ def _block_backward(
             grads = (da[i : i + t], dk[j : j + len(kb)], ds, db)
             _tile_backward(anchors, kb, scale, bias, spec, diagonal, row_stats, col_stats, grads)
     return dk
+
+
+def _kernel_forward(
+    a: Tensor, keys: Tensor, scale: Tensor, bias: Tensor, plan: _Plan, own: bool, out: Tensor
+) -> Tensor | None:
+    """:func:`_block_forward` by the fused kernels: every tile of the block in one launch (or
+    one per wave), statistics in float32 (``out`` is float32 on this path)."""
+    spec, m = plan.spec, keys.shape[0]
+    mask = 0 if own and spec.mask_self else None  # anchor i against own key i: i - j == 0
+    if spec.kind == "softplus":
+        _triton.softplus_forward(a, keys, scale, bias, out)
+        return None
+    cols = torch.full((plan.width,), -math.inf, device=keys.device) if spec.columns else None
+    _triton.lse_forward(a, keys, scale, bias, out, None if cols is None else cols[:m], mask)
+    return cols
+
+
+def _kernel_backward(
+    a: Tensor,
+    keys: Tensor,
+    scale: Tensor,
+    bias: Tensor,
+    plan: _Plan,
+    own: bool,
+    rows: tuple[Tensor, Tensor],
+    cols: tuple[Tensor, Tensor] | None,
+    sums: tuple[Tensor, Tensor, Tensor],
+) -> Tensor:
+    """:func:`_block_backward` by the fused kernels, accumulating in float32."""
+    spec, m = plan.spec, keys.shape[0]
+    da, ds, db = sums
+    dx = da if da.dtype == torch.float32 else torch.zeros(da.shape, device=da.device)
+    dk = torch.zeros((plan.width, keys.shape[1]), device=keys.device)
+    out, g_out = (r.float() for r in rows)
+    if spec.kind == "softplus":
+        parts = _triton.softplus_backward(
+            a, keys, scale, bias, g_out, dx, dk[:m], deterministic=spec.deterministic
+        )
+    else:
+        col, g_col = (None, None) if cols is None else (c.float().contiguous() for c in cols)
+        mask = 0 if own and spec.mask_self else None
+        parts = _triton.lse_backward(
+            a, keys, scale, bias, out.contiguous(), g_out, dx, dk[:m], col, g_col, mask,
+            deterministic=spec.deterministic,
+        )  # fmt: skip
+    if dx is not da:
+        da += dx
+    ds += parts[0].to(ds.dtype)
+    db += parts[1].to(db.dtype)
+    return dk.to(keys.dtype)
 
 
 def _padded(x: Tensor, rows: int) -> Tensor:
@@ -235,7 +292,8 @@ def _forward(
     """(each anchor's reduction [n], CLIP's column logsumexps of this rank's keys [m], else
     empty): the keys go round the ring, each block folded in tile by tile."""
     spec, dim = plan.spec, k.shape[1]
-    out = a.new_full((a.shape[0],), _initial(spec))
+    # The kernels keep their statistics in float32 (the loss is float32 from them).
+    out = a.new_full((a.shape[0],), _initial(spec), dtype=torch.float32 if spec.kernel else None)
     own = _padded(k, plan.width)  # [M, D]
 
     def compute(step: int, source: int, held: Tensor) -> Tensor | None:
@@ -310,6 +368,61 @@ class _RingClip(_RingLoss):
     """``ring_clip``'s node."""
 
 
+Kernels = Literal["auto", "torch", "triton"]
+_choice: list[Any] = ["auto", True]  # set_kernels' choice: which, deterministic
+
+
+def set_kernels(which: Kernels = "auto", *, deterministic: bool = True) -> None:
+    """Choose who does the ring and blockwise losses' per-block work in this process.
+
+    ``"auto"`` (the default): the fused Triton kernels for CUDA tensors when Triton is
+    installed (``pip install "distgrad[kernels]"``), torch's tiles otherwise and on the CPU;
+    ``"torch"``: torch's tiles always (the reference); ``"triton"``: the kernels always (on
+    CPU tensors only under ``TRITON_INTERPRET=1``, Triton's interpreter, which is how the tests
+    run them). Both compute the same tiles with the same statistics (docs/losses.md,
+    "Fused tile kernels"). Inside ``torch.compile``, and for float64 features, the torch
+    tiles run either way.
+
+    ``deterministic=False`` lets the kernels' backward accumulate the keys' gradient with
+    float atomics: one launch instead of one per wave, not bitwise reproducible.
+
+    Args:
+        which: ``"auto"``, ``"torch"`` or ``"triton"``.
+        deterministic: whether the kernels' backward is bitwise reproducible (no float
+            atomics).
+
+    Returns:
+        None.
+
+    Raises:
+        ValueError: ``which`` is none of the three, or ``"triton"`` without Triton installed.
+
+    Example:
+        >>> dg.losses.set_kernels("torch")  # torch's tiles, the reference, everywhere
+        >>> dg.losses.set_kernels()  # back to the default: the kernels for CUDA tensors
+    """
+    if which not in ("auto", "torch", "triton"):
+        raise ValueError(f"set_kernels: which must be 'auto', 'torch' or 'triton', got {which!r}")
+    if which == "triton" and not _triton.available():
+        raise ValueError(
+            "set_kernels('triton'): Triton is not installed; pip install \"distgrad[kernels]\" "
+            '(or pip install -e ".[kernels]" in a clone)'
+        )
+    _choice[:] = [which, bool(deterministic)]
+
+
+def _kernels_for(x: Tensor) -> tuple[bool, bool]:
+    """(whether the kernels do this loss's blocks, whether deterministically)."""
+    which, deterministic = _choice
+    # float64 (and any dtype the kernels do not take) always takes torch's tiles.
+    supported = x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    if torch.compiler.is_compiling() or which == "torch" or not supported:
+        return False, deterministic
+    if which == "triton":
+        return True, deterministic
+    return x.is_cuda and _triton.available(), deterministic
+
+
 def ring_reduce(
     anchors: Tensor,
     keys: Tensor,
@@ -325,7 +438,7 @@ def ring_reduce(
     """The per-anchor reduction [n] described in the module docstring; ``rows`` from
     the loss's checked batch sizes, ``scale`` and ``bias`` 0-dim tensors of the anchors' dtype."""
     assert kind in KINDS and block >= 1
-    plan = _Plan(group, rows, _Spec(kind, False, mask_self, block))
+    plan = _Plan(group, rows, _Spec(kind, False, mask_self, block, *_kernels_for(anchors)))
     if keys is anchors:  # NT-Xent: torch.compile cannot trace one tensor passed twice
         keys = keys.view_as(keys)
     out, _ = _RingReduce.apply(anchors, keys, scale, bias, plan)  # type: ignore[no-untyped-call]
@@ -352,7 +465,7 @@ def ring_clip(
     dense path's 6 (two directions). Memory: three [b, b] tiles.
     """
     assert block >= 1
-    plan = _Plan(group, rows, _Spec("lse", True, False, block))
+    plan = _Plan(group, rows, _Spec("lse", True, False, block, *_kernels_for(image)))
     if text is image:  # torch.compile cannot trace one tensor passed twice
         text = text.view_as(text)
     zero = scale.new_zeros(())

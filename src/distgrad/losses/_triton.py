@@ -88,9 +88,12 @@ def _launch(kernel: Any, waves: bool, n: int, c: int, args: tuple[Any, ...], **f
         kernel[(min(R, C),)](*args, wave, R, C, WAVES=True, **sizes, **flags)
 
 
-def _check(x: Tensor, y: Tensor) -> None:
+def _check(x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+    """``x`` and ``y`` as the kernels read them: rows of unit stride (a strided view of a
+    ring's block is read in place, not copied)."""
     assert x.dim() == 2 and y.dim() == 2 and x.shape[1] == y.shape[1], (x.shape, y.shape)
     assert x.dtype == y.dtype and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    return tuple(t if t.stride(1) == 1 else t.contiguous() for t in (x, y))  # type: ignore[return-value]
 
 
 def _low(x: Tensor) -> bool:
@@ -112,8 +115,7 @@ def lse_forward(
 ) -> None:
     """Fold the block ``y`` into the running float32 logsumexps ``row`` [n] (and ``col`` [c]),
     in place."""
-    _check(x, y)
-    x, y = x.contiguous(), y.contiguous()
+    x, y = _check(x, y)
     forward, _ = _kernels()
     n, c, D = x.shape[0], y.shape[0], x.shape[1]
     cols = col if col is not None else row  # unused when HAS_COL is off
@@ -124,8 +126,7 @@ def lse_forward(
 
 def softplus_forward(x: Tensor, y: Tensor, scale: Tensor, bias: Tensor, row: Tensor) -> None:
     """Add each row's ``sum_j softplus(l_ij)`` over the block ``y`` into ``row`` [n] (float32)."""
-    _check(x, y)
-    x, y = x.contiguous(), y.contiguous()
+    x, y = _check(x, y)
     forward, _ = _kernels()
     n, c, D = x.shape[0], y.shape[0], x.shape[1]
     args = (x, y, scale, bias, row, row, n, c, D, x.stride(0), y.stride(0), 0)
@@ -148,9 +149,8 @@ def _backward(
     softplus: bool,
     deterministic: bool,
 ) -> tuple[Tensor, Tensor]:
-    _check(x, y)
+    x, y = _check(x, y)
     assert dx.dtype == dy.dtype == torch.float32 and dx.is_contiguous() and dy.is_contiguous()
-    x, y = x.contiguous(), y.contiguous()
     _, backward = _kernels()
     n, c, D = x.shape[0], y.shape[0], x.shape[1]
     R, C = _blocks(n, c)
