@@ -3,7 +3,7 @@
 Run from the repository root: ``python benchmarks/gpu_check.py`` (at most about 10 minutes on
 one GPU). It uses every visible GPU, one rank per GPU on NCCL; with a single GPU it runs NCCL
 at world size 1 and gloo with CUDA tensors at world size 2 (gloo lacks CUDA support for some
-exchanges: each op's row says what happened). Seven parts, each a table in the results file:
+exchanges: each op's row says what happened). Eight parts, each a table in the results file:
 
 * ``gradients``: the gradient sweep of every op (tests/collectives/reference.py, the sweep the
   test suite runs on CPU) against single-process autograd, float64 and float32.
@@ -23,6 +23,9 @@ exchanges: each op's row says what happened). Seven parts, each a table in the r
 * ``timing``: forward+backward time of every op at three sizes against torch's c10d
   collectives (the same exchanges, no autograd) and funcol's differentiable collectives, as
   paired ratios.
+* ``scale``: CLIP and SigLIP at global batch 32k, 128k and 1M, dim 512 and 768, on one GPU:
+  the fused Triton kernels, the torch ring, dense, plain torch and Inf-CL (where installed),
+  time and peak memory per row.
 
 ``--device cpu`` runs every part on gloo with CPU tensors at small sizes, to prove the
 command's logic where no GPU is present (the test suite does that:
@@ -52,12 +55,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.append(str(Path(__file__).resolve().parent))
 
 from gpu import compile as compiled  # the module, not the builtin
-from gpu import gradients, guard, losses, memory, sync, timing
+from gpu import gradients, guard, losses, memory, scale, sync, timing
 from gpu.ranks import short
 from gpu.report import Section, one_row, render
 
 RESULTS = Path(__file__).parent / "results"
-PARTS = ("gradients", "losses", "sync", "guard", "compile", "memory", "timing")
+PARTS = ("gradients", "losses", "sync", "guard", "compile", "memory", "timing", "scale")
 RUNNERS: dict[str, Callable[[str, int], Section]] = {
     "gradients": gradients.part,
     "losses": losses.part,
@@ -66,6 +69,7 @@ RUNNERS: dict[str, Callable[[str, int], Section]] = {
     "compile": compiled.part,
     "memory": memory.part,
     "timing": timing.part,
+    "scale": scale.part,
 }
 
 
