@@ -22,7 +22,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
-PARTS = ("gradients", "losses", "sync", "guard", "compile", "memory", "timing")
+PARTS = ("gradients", "losses", "sync", "guard", "compile", "memory", "timing", "scale")
 
 
 def _script() -> ModuleType:
