@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from distgrad._exchange import wait as _wait
-from distgrad._exchange.backend import nbytes, on_host, real
+from distgrad._exchange.backend import nbytes, real
 from distgrad._exchange.group import Group
 from distgrad._exchange.inflight import Steps, start_outside_engine
 
@@ -81,7 +81,10 @@ def start_pairs(
     started first, in order, then receives. ``what`` names the exchange in errors."""
     pg = group.pg
     assert pg is not None
-    if any(on_host(group, t.device) for t, _ in (*sends, *recvs)):  # see "Staging on gloo"
+    # A tensor off the CPU crosses gloo through host memory (backend.on_host, asked cheaply).
+    if not group.is_nccl and not all(
+        t.is_cpu for t, _ in (*sends, *recvs)
+    ):  # see "Staging on gloo"
         landings = [(torch.empty_like(t, device="cpu"), t) for t, _ in recvs]
         host_sends = [(t.cpu(), peer) for t, peer in sends]
         host_recvs = [(host, peer) for (host, _), (_, peer) in zip(landings, recvs, strict=True)]

@@ -126,8 +126,10 @@ class StartedEarlier:
         return f"{_activity(self._group, self._node, self._last)}, started with async_op=True"
 
 
-What = str | StartedEarlier | None
-"""How a wait's caller names what it waits for in errors (None: :func:`activity`, now)."""
+What = str | StartedEarlier | object | None
+"""How a wait's caller names what it waits for in errors (None: :func:`activity`, now): a
+string, or any object whose ``str()`` words it when an error needs it (as
+:class:`StartedEarlier`, and distgrad.pipeline's transfers, which are named per call)."""
 
 
 def _activity(group: Group, node: Any, last: tuple[str, int, tuple[int, str]]) -> str:

@@ -24,9 +24,6 @@ same context API as :mod:`distgrad.rpc`; see docs/pipeline.md.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 from distgrad.errors import PipelineError
 from distgrad.pipeline import _records
 from distgrad.pipeline.backward import backward, backward_weights, get_gradients
@@ -45,8 +42,7 @@ __all__ = [
 ]
 
 
-@contextmanager
-def context(*, check: bool = False) -> Iterator[int]:
+class context:  # lower case: a context manager used as a function, as torch's
     """Record this rank's transfers for one distributed backward; yields the context's id.
 
     Every rank enters its own context for the same step (ids are local to each rank; ranks
@@ -80,29 +76,41 @@ def context(*, check: bool = False) -> Iterator[int]:
         >>> x.grad
         tensor([2., 2.])
     """
-    ctx = _records.open_context(check)
-    clean = False
-    try:
-        yield ctx.context_id
-        clean = True
-    finally:
+
+    __slots__ = ("_ctx", "check")
+
+    def __init__(self, *, check: bool = False) -> None:
+        self.check = check
+        self._ctx: _records.Context | None = None
+
+    def __enter__(self) -> int:
+        # A class, not a contextlib generator: 3 us less a step (the rpc scopes measured it).
+        self._ctx = _records.open_context(self.check)
+        return self._ctx.context_id
+
+    def __exit__(self, kind: object, *rest: object) -> None:
+        ctx, self._ctx = self._ctx, None
+        assert ctx is not None
         try:
-            if clean:
-                ctx.wait_in_flight()
-                left = [r for r in ctx.records if r.state != "done"]
-                if left or ctx.weight_steps:
-                    rank = (left[0].group.rank) if left else "?"
-                    names = "; ".join(r.describe() for r in left[:4])
-                    more = f" and {len(left) - 4} more" if len(left) > 4 else ""
-                    steps = sorted(map(str, ctx.weight_steps))
-                    pending = (
-                        f"; weight steps never run: microbatch {', '.join(steps)}" if steps else ""
-                    )
-                    raise PipelineError(
-                        f"rank {rank} leaves dg.pipeline context {ctx.context_id} with "
-                        f"transfers no backward ran: {names or 'none'}{more}{pending}; run "
-                        "dg.pipeline.backward (and backward_weights after a split one) for "
-                        "every microbatch before leaving the context"
-                    )
+            if kind is None:
+                _close(ctx)
         finally:
             _records.release(ctx)
+
+
+def _close(ctx: _records.Context) -> None:
+    """Wait for the sends still in flight; refuse a context with transfers no backward ran."""
+    ctx.wait_in_flight()
+    left = [r for r in ctx.records if r.state != "done"]
+    if left or ctx.weight_steps:
+        rank = left[0].group.rank if left else "?"
+        names = "; ".join(r.describe() for r in left[:4])
+        more = f" and {len(left) - 4} more" if len(left) > 4 else ""
+        steps = sorted(map(str, ctx.weight_steps))
+        pending = f"; weight steps never run: microbatch {', '.join(steps)}" if steps else ""
+        raise PipelineError(
+            f"rank {rank} leaves dg.pipeline context {ctx.context_id} with transfers no "
+            f"backward ran: {names or 'none'}{more}{pending}; run dg.pipeline.backward (and "
+            "backward_weights after a split one) for every microbatch before leaving the "
+            "context"
+        )

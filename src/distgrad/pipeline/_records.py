@@ -15,51 +15,42 @@ import threading
 from dataclasses import dataclass, field
 from typing import Literal
 
-import torch
 from torch import Tensor
 
 from distgrad._exchange.group import Group
 from distgrad._exchange.pairs import Pairs
 from distgrad.errors import PipelineError
 
-__all__ = ["ANCHOR", "Context", "Record", "Sink", "current", "lookup", "open_context", "release"]
+__all__ = ["Context", "Record", "current", "lookup", "open_context", "release"]
 
 Kind = Literal["send", "recv"]
 
-# The one leaf every received tensor hangs from: its recv node needs an input that requires
-# grad to be part of the graph, and asking autograd for this leaf's gradient runs exactly the
-# nodes between a start and the recv nodes (the input-gradient step of a split backward).
-ANCHOR = torch.zeros((), requires_grad=True)
 
-
-class Sink:
-    """Where a recv node puts the gradient that reaches it. Held by the node and by its record,
-    and holding neither: no reference cycle keeps a graph alive."""
-
-    __slots__ = ("closed", "grad")
-
-    def __init__(self) -> None:
-        self.grad: Tensor | None = None
-        self.closed = False  # the gradient was sent: a weight step's rerun adds nothing
-
-    def take(self, grad: Tensor) -> None:
-        if not self.closed:
-            self.grad = grad if self.grad is None else self.grad + grad
-
-
-@dataclass(eq=False)
 class Record:
-    """One forward transfer of a context, as this rank made it."""
+    """One forward transfer of a context, as this rank made it. A receive's tensor is a leaf
+    of this rank's graph (as torch's ``PipelineStage`` makes it): autograd accumulates into
+    its ``.grad`` what reaches it, phase after phase, and the backward sends that on."""
 
-    kind: Kind
-    group: Group
-    peer: int  # group rank of the other side
-    slot: int  # index among the context's transfers with ``peer`` in this direction
-    microbatch: int | None
-    tensor: Tensor | None  # a send: the tensor sent; a receive: the tensor received
-    index: int  # position in the context's program order
-    sink: Sink = field(default_factory=Sink)  # a receive: its gradient, summed as it arrives
-    state: Literal["recorded", "done"] = "recorded"
+    __slots__ = ("group", "index", "kind", "microbatch", "peer", "slot", "state", "tensor")
+
+    def __init__(
+        self,
+        kind: Kind,
+        group: Group,
+        peer: int,
+        slot: int,
+        microbatch: int | None,
+        tensor: Tensor | None,
+        index: int,
+    ) -> None:
+        self.kind = kind
+        self.group = group
+        self.peer = peer  # group rank of the other side
+        self.slot = slot  # index among the context's transfers with ``peer`` this way
+        self.microbatch = microbatch
+        self.tensor = tensor  # a send: the tensor sent; a receive: the tensor received
+        self.index = index  # position in the context's program order
+        self.state: Literal["recorded", "done"] = "recorded"
 
     def describe(self) -> str:
         way = f"send to rank {self.peer}" if self.kind == "send" else f"recv from rank {self.peer}"
@@ -81,8 +72,9 @@ class Context:
     gradients: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)
     # sends still in flight: forward sends started with isend, the backward's gradients
     in_flight: list[Pairs] = field(default_factory=list)
-    # split backwards whose weight step is still to run: microbatch -> its starts and grads
-    weight_steps: dict[int | None, list[tuple[list[Tensor], list[Tensor]]]] = field(
+    # split backwards whose weight step is still to run: microbatch -> its starts, their
+    # gradients and the received tensors of the transfers it covered
+    weight_steps: dict[int | None, list[tuple[list[Tensor], list[Tensor], list[Tensor]]]] = field(
         default_factory=dict
     )
 
@@ -119,8 +111,10 @@ class Context:
         ]
 
     def keep(self, pairs: Pairs) -> None:
-        """Hold a send in flight until it completes (its buffer must live until then)."""
-        self.in_flight = [p for p in self.in_flight if not p.done()]
+        """Hold a send in flight until it completes (its buffer must live until then); the
+        completed ones are let go now and then, not at every call (each asks the backend)."""
+        if len(self.in_flight) >= 16:
+            self.in_flight = [p for p in self.in_flight if not p.done()]
         self.in_flight.append(pairs)
 
     def wait_in_flight(self) -> None:

@@ -132,7 +132,7 @@ def encode(
     microbatch: int | None,
     count: int = -1,
     *,
-    op: str,
+    op: object,
     group: Group,
 ) -> torch.Tensor:
     if len(shape) > _MAX_DIMS:
@@ -151,7 +151,7 @@ def encode(
     return torch.tensor(values, dtype=torch.int64)
 
 
-def decode(vec: torch.Tensor, *, op: str, group: Group, peer: int) -> Header:
+def decode(vec: torch.Tensor, *, op: object, group: Group, peer: int) -> Header:
     v = vec.tolist()
     if v[0] != _MAGIC:
         raise CollectiveMismatchError(
@@ -183,7 +183,7 @@ def announce(
     what: tuple[tuple[int, ...], torch.dtype, bool],
     header_sent: bool,
     *,
-    op: str,
+    op: object,
 ) -> None:
     """Keep what a checked send announced; refuse an unchecked send that differs from it."""
     key = (group.key, peer, slot)

@@ -16,13 +16,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from distgrad._exchange.group import Group, resolve
+from distgrad._exchange.group import Group, on_forget, resolve
 from distgrad._exchange.handshake import show
 from distgrad._exchange.pairs import Pairs, start_pairs
 from distgrad._mesh import GroupLike, refuse_dtensors
 from distgrad.errors import CollectiveArgumentError, CollectiveMismatchError
 from distgrad.pipeline import _records, _wire
-from distgrad.pipeline._records import ANCHOR, Context, Sink
+from distgrad.pipeline._records import Context
 
 __all__ = ["Transfer", "irecv", "isend", "recv", "send"]
 
@@ -81,10 +81,43 @@ def _peer(peer: object, g: Group, op: str, name: str) -> int:
     return peer
 
 
-def _describe(op: str, g: Group, peer: int, slot: int, microbatch: int | None) -> str:
-    mb = "" if microbatch is None else f", microbatch {microbatch}"
-    way = "to" if op.endswith("send") else "from"
-    return f"the forward of dg.pipeline.{op} {way} rank {peer} (transfer {slot}{mb})"
+class _Named:
+    """A transfer's name in errors, worded only when an error needs it (a wait that fails, a
+    mismatch): formatting it on every call cost more than the rest of a small call's Python."""
+
+    __slots__ = ("microbatch", "op", "peer", "slot")
+
+    def __init__(self, op: str, peer: int, slot: int, microbatch: int | None) -> None:
+        self.op, self.peer, self.slot, self.microbatch = op, peer, slot, microbatch
+
+    def __str__(self) -> str:
+        mb = "" if self.microbatch is None else f", microbatch {self.microbatch}"
+        way = "to" if self.op.endswith("send") else "from"
+        transfer = f"(transfer {self.slot}{mb})"
+        return f"the forward of dg.pipeline.{self.op} {way} rank {self.peer} {transfer}"
+
+
+# The last group argument and what it resolved to: a pipeline names the same group on every
+# call, and resolving it each time was a tenth of a small transfer's Python. Forgotten with the
+# group (destroyed groups), and never kept for a process alone (it may join a group later).
+_last: list[Any] = [object(), None]
+
+
+def _group(group: GroupLike, op: str) -> Group:
+    if group is _last[0] and _last[1] is not None:
+        return _last[1]  # type: ignore[no-any-return]
+    g = resolve(group, f"dg.pipeline.{op}")
+    if g.size > 1 and not torch.compiler.is_compiling():
+        _last[:] = [group, g]
+    return g
+
+
+def _forget(groups: list[Group], world_gone: bool) -> None:
+    if world_gone or any(g.key == getattr(_last[1], "key", None) for g in groups):
+        _last[:] = [object(), None]
+
+
+on_forget(_forget)
 
 
 def isend(
@@ -129,8 +162,9 @@ def isend(
         [True, True]
     """
     op = "isend"
-    g = resolve(group, f"dg.pipeline.{op}")
-    refuse_dtensors(f"dg.pipeline.{op}", x=x)
+    g = _group(group, op)
+    if type(x) is not Tensor:
+        refuse_dtensors(f"dg.pipeline.{op}", x=x)
     if not isinstance(x, Tensor):
         raise CollectiveArgumentError(
             f"dg.pipeline.{op} on rank {g.rank}: x must be a tensor, got {type(x).__name__}"
@@ -140,7 +174,7 @@ def isend(
     slot = ctx.next_slot("send", g, dst)
     grad = x.requires_grad and torch.is_grad_enabled()
     checked = _wire.checked(g, dst, "fwd-out", ctx.check)
-    what = _describe(op, g, dst, slot, microbatch)
+    what = _Named(op, dst, slot, microbatch)
     _wire.announce(g, dst, slot, (tuple(x.shape), x.dtype, grad), checked, op=what)
     data = x.detach().contiguous()
     sends: list[tuple[Tensor, int]] = []
@@ -249,11 +283,11 @@ def irecv(
         [True, True]
     """
     op = "irecv"
-    g = resolve(group, f"dg.pipeline.{op}")
+    g = _group(group, op)
     src = _peer(src, g, f"dg.pipeline.{op}", "src")
     ctx = _records.current(op)
     slot = ctx.next_slot("recv", g, src)
-    what = _describe(op, g, src, slot, microbatch)
+    what = _Named(op, src, slot, microbatch)
     if like is not None:
         refuse_dtensors(f"dg.pipeline.{op}", like=like)
         shape = tuple(like.shape) if shape is None else shape
@@ -353,13 +387,16 @@ def recv(
     return received
 
 
+_CPU = torch.device("cpu")
+
+
 def _default_device(g: Group) -> torch.device:
     if g.is_nccl:
         return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return _CPU
 
 
-def _arrived(header: Tensor, g: Group, src: int, slot: int, what: str) -> _wire.Header:
+def _arrived(header: Tensor, g: Group, src: int, slot: int, what: _Named) -> _wire.Header:
     arrived = _wire.decode(header, op=what, group=g, peer=src)
     _wire.learn(g, src, slot, arrived)
     return arrived
@@ -372,7 +409,7 @@ def _check(
     requires_grad: bool | None,
     g: Group,
     src: int,
-    what: str,
+    what: _Named,
 ) -> None:
     problems = []
     if shape is not None and arrived.shape != shape:
@@ -399,24 +436,10 @@ def _received(
     buffer: Tensor,
     grad: bool,
 ) -> Tensor:
-    """The received tensor: hung from a recv node and recorded, when its gradient goes back."""
+    """The received tensor, recorded when its gradient goes back: a leaf that requires grad,
+    into whose ``.grad`` autograd accumulates what reaches it (a custom recv node cost 20 us
+    more per transfer, its apply and its Python backward)."""
     if not (grad and torch.is_grad_enabled()):
         return buffer
-    rec = ctx.record("recv", g, src, slot, None, microbatch)
-    out: Tensor = _Received.apply(ANCHOR, buffer, rec.sink)  # type: ignore[no-untyped-call]
-    rec.tensor = out
-    return out
-
-
-class _Received(torch.autograd.Function):
-    """The recv node: its backward keeps the gradient that reached the received tensor."""
-
-    @staticmethod
-    def forward(ctx: Any, anchor: Tensor, buffer: Tensor, sink: Sink) -> Tensor:
-        ctx.sink = sink
-        return buffer
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[None, None, None]:
-        ctx.sink.take(grad)
-        return None, None, None
+    ctx.record("recv", g, src, slot, buffer.requires_grad_(), microbatch)
+    return buffer
