@@ -216,8 +216,8 @@ class UnsupportedOptionError(DistgradError, ValueError):
     """A drop-in loss of :mod:`distgrad.integrations` was given an option of its peer library
     that it cannot honour exactly (a memory bank, a hardness weighting, horovod, ...).
 
-    Raised when the loss is built, before any data moves; the message names the argument, what
-    was passed and what to do instead. A ``ValueError`` too, so code that catches a bad
+    Raised for an option when the loss is built, before any data moves; the message names the
+    argument, what was passed and what to do instead. A ``ValueError`` too, so code that catches a bad
     argument's ``ValueError`` catches it.
 
     Raised by:
