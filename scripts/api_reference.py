@@ -358,9 +358,9 @@ def gaps(entry: Entry) -> list[str]:
         if wanted != listed:
             missing, extra = sorted(wanted - listed), sorted(listed - wanted)
             found.append(f"{where}: Args: missing {missing}, not parameters {extra}")
-    if kind == "function" or (kind == "protocol" and _parameters(entry.obj)):
-        if not entry.sections.get("Returns"):
-            found.append(f"{where}: no Returns: section")
+    returns = kind == "function" or (kind == "protocol" and bool(_parameters(entry.obj)))
+    if returns and not entry.sections.get("Returns"):
+        found.append(f"{where}: no Returns: section")
     if kind == "exception":
         if not entry.sections.get("Raised by"):
             found.append(f"{where}: no Raised by: section")

@@ -217,8 +217,8 @@ class UnsupportedOptionError(DistgradError, ValueError):
     that it cannot honour exactly (a memory bank, a hardness weighting, horovod, ...).
 
     Raised for an option when the loss is built, before any data moves; the message names the
-    argument, what was passed and what to do instead. A ``ValueError`` too, so code that catches a bad
-    argument's ``ValueError`` catches it.
+    argument, what was passed and what to do instead. A ``ValueError`` too, so code that
+    catches a bad argument's ``ValueError`` catches it.
 
     Raised by:
         The constructors of ``distgrad.integrations.open_clip.ClipLoss`` and ``SigLipLoss``,
