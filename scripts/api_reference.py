@@ -14,10 +14,13 @@ entries indented under it (``name: what it is``):
 
 * a one-line summary (the first line), then the prose: semantics, gradient, cost;
 * ``Args:`` every parameter of the signature, by name (``*args``, ``**kwargs`` as written);
-  a dataclass lists its fields under ``Attributes:`` instead;
-* ``Returns:`` for a function, what it returns;
+  a dataclass lists its fields under ``Attributes:`` instead; a callable Protocol (a
+  signature users implement, never construct) lists its ``__call__``'s parameters;
+* ``Returns:`` for a function, what it returns (and for a callable Protocol, what the call
+  returns);
 * ``Raises:`` for a function or a class users construct, each error it raises on purpose and
-  when (an error class has ``Raised by:`` instead: which calls raise it);
+  when (an error class has ``Raised by:`` instead: which calls raise it; a Protocol needs
+  none: what raises is the user's implementation);
 * ``Example:`` doctest lines (``>>>``) that ``--doctest`` runs.
 
 Names distgrad re-exports from torch (``distgrad.rpc.BackendType``, ...) keep torch's
@@ -180,6 +183,8 @@ class Entry:
             return "exception"
         if dataclasses.is_dataclass(self.obj):
             return "dataclass"
+        if _protocol(self.obj):
+            return "protocol"
         return "class" if isinstance(self.obj, type) else "function"
 
     def entries(self, section: str) -> dict[str, str]:
@@ -217,8 +222,17 @@ def _annotation(value: Any) -> str:
     return value if isinstance(value, str) else inspect.formatannotation(value)
 
 
+def _protocol(obj: Any) -> bool:
+    return isinstance(obj, type) and bool(getattr(obj, "_is_protocol", False))
+
+
 def _parameters(obj: Any) -> list[inspect.Parameter]:
     target = obj
+    if _protocol(obj):  # never constructed: its parameters are those its callers pass
+        call = obj.__dict__.get("__call__")
+        if call is None:
+            return []
+        return [p for p in inspect.signature(call).parameters.values() if p.name != "self"]
     if isinstance(obj, type):
         if dataclasses.is_dataclass(obj):
             return []
@@ -234,6 +248,14 @@ def _parameters(obj: Any) -> list[inspect.Parameter]:
 
 
 def _signature(qualified: str, obj: Any) -> str:
+    if _protocol(obj) and _parameters(obj):  # class X(Protocol), then its __call__
+        call = _signature("__call__", obj.__dict__["__call__"])
+        call = re.sub(
+            r"^__call__\(\n?",
+            lambda m: m.group(0) + ("    self,\n" if "\n" in m.group(0) else "self, "),
+            call,
+        )
+        return f"class {qualified}(Protocol):\n    def " + call.replace("\n", "\n    ") + ": ..."
     if isinstance(obj, type) and (issubclass(obj, BaseException) or not _parameters(obj)):
         bases = ", ".join(b.__name__ for b in obj.__bases__ if b is not object)
         if dataclasses.is_dataclass(obj):
@@ -336,7 +358,8 @@ def gaps(entry: Entry) -> list[str]:
         if wanted != listed:
             missing, extra = sorted(wanted - listed), sorted(listed - wanted)
             found.append(f"{where}: Args: missing {missing}, not parameters {extra}")
-    if kind == "function" and not entry.sections.get("Returns"):
+    returns = kind == "function" or (kind == "protocol" and bool(_parameters(entry.obj)))
+    if returns and not entry.sections.get("Returns"):
         found.append(f"{where}: no Returns: section")
     if kind == "exception":
         if not entry.sections.get("Raised by"):
@@ -442,7 +465,13 @@ def _process_group() -> None:
 
 # An example that starts its own ranks (processes, or simulated in this one) needs this
 # process without a process group (simulate=True refuses one).
-_OWN_RANKS = ("run_on_ranks(", "simulate=True", "check_against_single_process(", "check_parallel")
+_OWN_RANKS = (
+    "run_on_ranks(",
+    "simulate=True",
+    "check_against_single_process(",
+    "check_parallel",
+    "check_pipeline(",
+)
 
 
 def _with_group(entry: Entry) -> bool:

@@ -170,6 +170,22 @@ class PipelineError(DistgradError, RuntimeError):
     """Distributed autograd over point-to-point (``distgrad.pipeline``) was misused or failed:
     a transfer outside a context, a backward run twice over the same transfers, a context left
     with transfers no backward ran. The message names the rank, the transfer and what to do.
+
+    A ``RuntimeError`` too, as torch's own autograd and point-to-point errors are, so code
+    written against torch catches it.
+
+    Raised by:
+        ``distgrad.pipeline.send``, ``isend``, ``recv`` and ``irecv`` called outside a
+        ``distgrad.pipeline.context()``; ``context()`` entered inside another on one thread, or
+        left with transfers no backward ran; ``backward``, ``backward_weights`` and
+        ``get_gradients`` given a context id unknown on this rank, or a weight step out of
+        order (a split backward's halves).
+
+    Example:
+        >>> dg.pipeline.get_gradients(12345)  # no context has that id on this rank
+        Traceback (most recent call last):
+        ...
+        distgrad.errors.PipelineError: no dg.pipeline context with id 12345 on this rank ...
     """
 
 
@@ -200,8 +216,22 @@ class UnsupportedOptionError(DistgradError, ValueError):
     """A drop-in loss of :mod:`distgrad.integrations` was given an option of its peer library
     that it cannot honour exactly (a memory bank, a hardness weighting, horovod, ...).
 
-    Raised when the loss is built, before any data moves; the message names the argument, what
-    was passed and what to do instead.
+    Raised for an option when the loss is built, before any data moves; the message names the
+    argument, what was passed and what to do instead. A ``ValueError`` too, so code that
+    catches a bad argument's ``ValueError`` catches it.
+
+    Raised by:
+        The constructors of ``distgrad.integrations.open_clip.ClipLoss`` and ``SigLipLoss``,
+        ``distgrad.integrations.lightly.NTXentLoss``, and
+        ``distgrad.integrations.sentence_transformers.MultipleNegativesRankingLoss`` and
+        ``CachedMultipleNegativesRankingLoss``, for the options each one's docstring lists;
+        and the sentence-transformers losses' forward, given fewer than two columns.
+
+    Example:
+        >>> dg.integrations.open_clip.ClipLoss(use_horovod=True)
+        Traceback (most recent call last):
+        ...
+        distgrad.errors.UnsupportedOptionError: ClipLoss: use_horovod=True is not supported ...
     """
 
 

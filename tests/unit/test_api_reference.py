@@ -22,6 +22,7 @@ import subprocess
 import sys
 import types
 from pathlib import Path
+from typing import Protocol
 
 import pytest
 
@@ -99,6 +100,38 @@ def _documented(x: int, *, scale: float = 1.0) -> int:
 def _undocumented(x: int, scale: float = 1.0) -> int:
     """Scale ``x``; a docstring without its sections."""
     return int(x * scale)
+
+
+class _Program(Protocol):
+    """A callable Protocol: a signature users implement, never construct.
+
+    Args:
+        x: the value.
+
+    Returns:
+        The result.
+
+    Example:
+        >>> 1
+        1
+    """
+
+    def __call__(self, x: int, /) -> int: ...
+
+
+def test_a_callable_protocol_is_checked_by_its_call() -> None:
+    """A Protocol's entry lists its ``__call__``'s parameters (not the ``*args, **kwargs`` of
+    the constructor typing gives it) and what the call returns; no Raises (the
+    implementation raises, not the Protocol); its signature shows the ``__call__``."""
+    signature = api._signature("tests.Program", _Program)
+    assert signature.startswith("class tests.Program(Protocol):\n    def __call__(self, x: int")
+    assert api.gaps(api.parse("tests.Program", _Program, signature, _Program.__doc__)) == []
+    bare = api.parse("tests.Program", _Program, signature, "A Protocol with no sections.")
+    assert api.gaps(bare) == [
+        "tests.Program: Args: missing ['x'], not parameters []",
+        "tests.Program: no Returns: section",
+        "tests.Program: no Example: section with doctest lines (>>>)",
+    ]
 
 
 def test_the_checker_refuses_a_name_without_its_sections() -> None:

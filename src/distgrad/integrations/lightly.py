@@ -43,6 +43,28 @@ class NTXentLoss(nn.Module):
 
     ``group``, ``sizes``: see :func:`distgrad.losses.nt_xent`. Communication: two all_gathers
     of ``[B_l, D]`` and a scalar all_reduce forward, two reduce-scatters backward.
+
+    Args:
+        temperature: the softmax temperature, as lightly's; must be positive.
+        memory_bank_size: lightly's memory bank (entries, or ``(entries, dim)``); only a
+            disabled bank (``0`` or ``(0, dim)``) is accepted.
+        gather_distributed: accepted, and changes nothing (the negatives are always the
+            global batch's).
+        group: distgrad's: the process group (default: the default group) or a DeviceMesh
+            dimension, whose ranks hold the global batch.
+        sizes: distgrad's: every rank's row count, the same list on every rank; given, the
+            ranks need not exchange their row counts (default: they do).
+
+    Raises:
+        UnsupportedOptionError: a memory bank with entries, or a temperature that is not
+            positive. The forward raises as ``distgrad.losses.nt_xent`` does.
+
+    Example:
+        >>> g = torch.Generator().manual_seed(0)
+        >>> out0, out1 = torch.randn(2, 4, 8, generator=g)
+        >>> loss_fn = dg.integrations.lightly.NTXentLoss(temperature=0.2, gather_distributed=True)
+        >>> torch.equal(loss_fn(out0, out1), dg.losses.nt_xent(out0, out1, temperature=0.2))
+        True
     """
 
     def __init__(
@@ -85,6 +107,26 @@ class BarlowTwinsLoss(nn.Module):
 
     ``group``, ``sizes``: see :func:`distgrad.losses.barlow_twins`. Communication: 5
     all_reduces of statistics (``[D]`` and ``[D, D]``) forward and backward.
+
+    Args:
+        lambda_param: the weight of the off-diagonal terms, as lightly's (distgrad's
+            ``lambda_offdiag``).
+        gather_distributed: accepted, and changes nothing (the statistics are always the
+            global batch's).
+        group: distgrad's: the process group (default: the default group) or a DeviceMesh
+            dimension, whose ranks hold the global batch.
+        sizes: distgrad's: every rank's row count, the same list on every rank; given, the
+            ranks need not exchange their row counts (default: they do).
+
+    Raises:
+        Nothing at construction; the forward raises as ``distgrad.losses.barlow_twins`` does.
+
+    Example:
+        >>> g = torch.Generator().manual_seed(0)
+        >>> z_a, z_b = torch.randn(2, 8, 4, dtype=torch.float64, generator=g)
+        >>> loss_fn = dg.integrations.lightly.BarlowTwinsLoss(lambda_param=5e-3)
+        >>> torch.equal(loss_fn(z_a, z_b), dg.losses.barlow_twins(z_a, z_b, lambda_offdiag=5e-3))
+        True
     """
 
     def __init__(

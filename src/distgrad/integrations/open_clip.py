@@ -48,6 +48,37 @@ class ClipLoss(nn.Module):
 
     ``group``, ``sizes``: distgrad's (the group of ranks, every rank's row count; see
     :func:`distgrad.losses.clip_loss`). Communication: that of ``clip_loss``'s dense path.
+
+    Args:
+        local_loss: open_clip's choice of which logits a rank's loss holds; accepted, and
+            changes nothing (the loss is always the global batch's).
+        gather_with_grad: open_clip's choice of a differentiable gather; accepted, and changes
+            nothing (distgrad's gather always carries the gradient back).
+        cache_labels: accepted; no labels are built, so nothing is cached.
+        rank: this process's rank, as open_clip takes it; read from the group instead, and
+            checked against the default group when passed without ``group``.
+        world_size: the number of ranks, as open_clip takes it; checked like ``rank``.
+        use_horovod: refused when True (distgrad runs on torch.distributed).
+        group: distgrad's: the process group (default: the default group) or a DeviceMesh
+            dimension, whose ranks hold the global batch.
+        sizes: distgrad's: every rank's row count, the same list on every rank; given, the
+            loss sends nothing but the features and the value (default: the ranks exchange
+            their row counts).
+
+    Raises:
+        UnsupportedOptionError: ``use_horovod=True``, or ``rank``/``world_size`` that are not
+            this process's place in the default process group (without ``group``). The
+            forward raises as ``distgrad.losses.clip_loss`` does.
+
+    Example:
+        >>> g = torch.Generator().manual_seed(0)
+        >>> image, text = torch.nn.functional.normalize(torch.randn(2, 4, 8, generator=g), dim=-1)
+        >>> loss_fn = dg.integrations.open_clip.ClipLoss(local_loss=True, gather_with_grad=True)
+        >>> loss = loss_fn(image, text, 10.0)  # as open_clip: (features, features, scale)
+        >>> torch.equal(loss, dg.losses.clip_loss(image, text, 10.0, normalize=False))
+        True
+        >>> list(loss_fn(image, text, 10.0, output_dict=True))
+        ['contrastive_loss']
     """
 
     def __init__(
@@ -106,6 +137,32 @@ class SigLipLoss(nn.Module):
     ``dist_impl`` (``"bidir"``, ``"shift"``, ``"reduce"``, ``"gather"``, or None) chooses how
     open_clip moves the texts; it changes nothing here (distgrad's dense path gathers them
     once). ``group``, ``sizes``: see :func:`distgrad.losses.siglip_loss`.
+
+    Args:
+        cache_labels: accepted; no labels are built, so nothing is cached.
+        rank: this process's rank, as open_clip takes it; read from the group instead, and
+            checked against the default group when passed without ``group``.
+        world_size: the number of ranks, as open_clip takes it; checked like ``rank``.
+        dist_impl: how open_clip exchanges the texts (``"bidir"``, ``"shift"``, ``"reduce"``,
+            ``"gather"``; ``None`` is ``"bidir"``); accepted, and changes nothing.
+        group: distgrad's: the process group (default: the default group) or a DeviceMesh
+            dimension, whose ranks hold the global batch.
+        sizes: distgrad's: every rank's row count, the same list on every rank; given, the
+            loss sends nothing but the features and the value (default: the ranks exchange
+            their row counts).
+
+    Raises:
+        UnsupportedOptionError: a ``dist_impl`` open_clip does not have, or ``rank``/
+            ``world_size`` that are not this process's place in the default process group
+            (without ``group``). The forward raises as ``distgrad.losses.siglip_loss`` does.
+
+    Example:
+        >>> g = torch.Generator().manual_seed(0)
+        >>> image, text = torch.nn.functional.normalize(torch.randn(2, 4, 8, generator=g), dim=-1)
+        >>> loss_fn = dg.integrations.open_clip.SigLipLoss(dist_impl="shift")
+        >>> loss = loss_fn(image, text, 10.0, -10.0)  # (features, features, scale, bias)
+        >>> torch.equal(loss, dg.losses.siglip_loss(image, text, 10.0, -10.0, normalize=False))
+        True
     """
 
     def __init__(

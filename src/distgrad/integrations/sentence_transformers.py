@@ -79,6 +79,49 @@ class MultipleNegativesRankingLoss(nn.Module):
     negatives (sentence-transformers' value on a rank is the mean over its own anchors; the
     mean of those over ranks, with even shards, is this). ``group``, ``sizes``: see
     :func:`distgrad.losses.info_nce`; its docstring gives the communication.
+
+    Args:
+        model: the encoder: ``model(features)["sentence_embedding"]`` embeds one column (a
+            SentenceTransformer, or any module that returns that dict).
+        scale: the inverse temperature (``temperature = 1 / scale``); must be positive.
+        similarity_fct: ``None`` or sentence-transformers' ``cos_sim`` (cosine), or its
+            ``dot_score`` (the embeddings as given), recognised by name.
+        gather_across_devices: accepted, and changes nothing (the candidates are always
+            every rank's).
+        directions: ``("query_to_doc",)``, or with ``"doc_to_query"`` too (the symmetric
+            loss); same-type negatives are refused.
+        partition_mode: with both directions, ``"joint"`` (one softmax over both sets of
+            candidates) or ``"per_direction"`` (the mean of the two cross-entropies).
+        hardness_mode: sentence-transformers' hardness weighting; refused with a positive
+            ``hardness_strength``, which it has no effect without.
+        hardness_strength: the weighting's strength; only 0 (no weighting) is accepted with a
+            ``hardness_mode``.
+        group: distgrad's: the process group (default: the default group) or a DeviceMesh
+            dimension, whose ranks hold the global batch.
+        sizes: distgrad's: every rank's row count, the same list on every rank; given, the
+            ranks need not exchange their row counts (default: they do).
+
+    Raises:
+        UnsupportedOptionError: a ``scale`` that is not positive, a ``similarity_fct`` other
+            than ``cos_sim`` and ``dot_score``, ``directions`` without ``"query_to_doc"`` or
+            with same-type negatives, an unknown ``partition_mode``, a ``hardness_mode`` with
+            ``hardness_strength > 0``; and, in
+            the forward, fewer than two columns. The forward raises as
+            ``distgrad.losses.info_nce`` does otherwise.
+
+    Example:
+        >>> class Encoder(torch.nn.Linear):  # a SentenceTransformer in miniature
+        ...     def forward(self, features):  # float rows stand in for token ids
+        ...         return {"sentence_embedding": super().forward(features["input_ids"])}
+        >>> model = Encoder(8, 4, dtype=torch.float64)
+        >>> g = torch.Generator().manual_seed(0)
+        >>> anchors, positives = ({"input_ids": x} for x in torch.randn(2, 4, 8, generator=g,
+        ...                                                              dtype=torch.float64))
+        >>> MNRL = dg.integrations.sentence_transformers.MultipleNegativesRankingLoss
+        >>> loss = MNRL(model, scale=20.0)([anchors, positives], None)  # (columns, labels)
+        >>> embed = [model(column)["sentence_embedding"] for column in (anchors, positives)]
+        >>> torch.equal(loss, dg.losses.info_nce(*embed, temperature=1 / 20.0))
+        True
     """
 
     def __init__(
@@ -223,6 +266,55 @@ class CachedMultipleNegativesRankingLoss(MultipleNegativesRankingLoss):
 
     Cost: two embedding passes of the batch (one without a graph), the loss's own
     communication in the forward, none in the backward.
+
+    Args:
+        model: the encoder: ``model(features)["sentence_embedding"]`` embeds one column (a
+            SentenceTransformer, or any module that returns that dict).
+        scale: the inverse temperature (``temperature = 1 / scale``); must be positive.
+        similarity_fct: ``None`` or sentence-transformers' ``cos_sim`` (cosine), or its
+            ``dot_score`` (the embeddings as given), recognised by name.
+        mini_batch_size: the rows each embedding pass takes; a positive int.
+        mini_batch_num_tokens: refused when given (pack the passes by ``mini_batch_size``).
+        gather_across_devices: accepted, and changes nothing (the candidates are always
+            every rank's).
+        directions: ``("query_to_doc",)``, or with ``"doc_to_query"`` too (the symmetric
+            loss); same-type negatives are refused.
+        partition_mode: with both directions, ``"joint"`` (one softmax over both sets of
+            candidates) or ``"per_direction"`` (the mean of the two cross-entropies).
+        show_progress_bar: accepted; no bar is drawn.
+        hardness_mode: sentence-transformers' hardness weighting; refused with a positive
+            ``hardness_strength``, which it has no effect without.
+        hardness_strength: the weighting's strength; only 0 (no weighting) is accepted with a
+            ``hardness_mode``.
+        group: distgrad's: the process group (default: the default group) or a DeviceMesh
+            dimension, whose ranks hold the global batch.
+        sizes: distgrad's: every rank's row count, the same list on every rank; given, the
+            ranks need not exchange their row counts (default: they do).
+
+    Raises:
+        UnsupportedOptionError: a ``scale`` that is not positive, a ``similarity_fct`` other
+            than ``cos_sim`` and ``dot_score``, ``directions`` without ``"query_to_doc"`` or
+            with same-type negatives, an unknown ``partition_mode``, a ``hardness_mode`` with
+            ``hardness_strength > 0``,
+            ``mini_batch_num_tokens`` given, a ``mini_batch_size`` that is not a positive int;
+            and, in the forward, fewer than two columns. The forward raises as
+            ``distgrad.losses.info_nce`` does otherwise.
+
+    Example:
+        >>> class Encoder(torch.nn.Linear):  # a SentenceTransformer in miniature
+        ...     def forward(self, features):  # float rows stand in for token ids
+        ...         return {"sentence_embedding": super().forward(features["input_ids"])}
+        >>> model = Encoder(8, 4, dtype=torch.float64)
+        >>> g = torch.Generator().manual_seed(0)
+        >>> anchors, positives = ({"input_ids": x} for x in torch.randn(2, 4, 8, generator=g,
+        ...                                                              dtype=torch.float64))
+        >>> st = dg.integrations.sentence_transformers
+        >>> cached = st.CachedMultipleNegativesRankingLoss(model, mini_batch_size=2)
+        >>> cached([anchors, positives], None).backward()  # two passes of 2 rows per column
+        >>> grad, model.weight.grad = model.weight.grad, None
+        >>> st.MultipleNegativesRankingLoss(model)([anchors, positives], None).backward()
+        >>> torch.allclose(grad, model.weight.grad)  # the uncached loss's gradient
+        True
     """
 
     def __init__(

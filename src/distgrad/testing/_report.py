@@ -477,6 +477,8 @@ class ParameterCheck:
         ok: whether it matches one process within the tolerances.
         max_abs_error: the largest absolute difference from one process.
         diagnosis: ``"agree"``, or what is wrong (a missing reduction, a scale, ...).
+        stages: in a pipeline (``check_pipeline``), the stages holding the parameter (two for
+            a tied one); empty for ``check_parallel_model``.
 
     Example:
         >>> g = torch.Generator().manual_seed(0)
@@ -622,7 +624,38 @@ class PipelineReport(ModelReport):
     """What :func:`~distgrad.testing.check_pipeline` found; ``ok`` when every stage's copy
     of every parameter has the single-process gradient and update. ``rank_losses`` holds, at
     each step, each data-parallel replica's loss (the mean over its microbatches; NaN when a
-    program reports none); each check's ``stages`` the stages holding its parameter."""
+    program reports none); each check's ``stages`` the stages holding its parameter.
+
+    Attributes:
+        mesh_shape: the mesh's shape, ``(pp,)`` or ``(pp, dp)``.
+        mesh_dim_names: the mesh's dimension names, one of them ``"pp"``.
+        reference_losses: the single-process loss at each step (the mean over microbatches).
+        rank_losses: each data-parallel replica's loss at each step, ``[step][replica]``.
+        checks: every stage copy's ``ParameterCheck``, gradient and update, at every step.
+        schedule: the schedule's name (a torch schedule's class name, or the program's name).
+        n_microbatches: the microbatches each replica ran.
+        stage_ranks: stage index -> the pipeline rank holding it.
+
+    Example:
+        >>> report = dg.testing.PipelineReport(  # as check_pipeline returns one
+        ...     (2,), ("pp",), [0.5], [[0.5]], schedule="ScheduleGPipe", n_microbatches=4,
+        ...     stage_ranks={0: 0, 1: 1},
+        ... )
+        >>> report.checks.append(dg.testing.ParameterCheck(
+        ...     0, "0.weight", "grad", False, 0.25, "scaled by 1/2 (the number of stages)", (0,)
+        ... ))
+        >>> report.ok, report.diagnoses
+        (False, {'0.weight': 'grad: scaled by 1/2 (the number of stages)'})
+        >>> print(report)
+        pipeline ScheduleGPipe: 2 stages (stage->pipeline rank 0->0, 1->1), 4 microbatches,
+        mesh (pp=2); 1 step(s)
+        step 0: loss single process 0.5; per replica [0.5]
+        parameter                    stages  step what   max abs err  diagnosis
+        0.weight                     0          0 grad      2.50e-01  scaled by 1/2
+        (the number of stages)
+        Diagnosis:
+        - 0.weight: grad: scaled by 1/2 (the number of stages)
+    """
 
     schedule: str = ""
     n_microbatches: int = 1

@@ -61,12 +61,25 @@ FinalizeGrads = Callable[[Sequence[nn.Module], Sequence[int], Any], None]
 
 @dataclass(frozen=True)
 class Microbatches:
-    """One rank's share of the batch in a pipeline program (``schedule=`` a callable).
+    """One rank's share of the batch in a pipeline program (``schedule=`` a callable), made by
+    ``check_pipeline``: the batch's rows split over data parallel, then into microbatches.
 
-    ``inputs``: each microbatch's model inputs (a tuple per microbatch), on the rank holding
-    stage 0, else None. ``targets``: each microbatch's target, on the rank holding the last
-    stage, else None. ``stage_ranks``: the pipeline group's rank holding each stage (its
-    length is the number of stages). ``len()`` is the number of microbatches."""
+    Attributes:
+        inputs: each microbatch's model inputs (a tuple per microbatch), on the rank holding
+            stage 0, else None.
+        targets: each microbatch's target, on the rank holding the last stage, else None.
+        stage_ranks: stage index -> the pipeline group's rank holding it (its length is the
+            number of stages).
+        count: the number of microbatches, what ``len()`` returns.
+
+    Example:
+        >>> x, y = torch.ones(4, 3), torch.zeros(4, 1)
+        >>> on_rank_0 = dg.testing.Microbatches(  # stage 0 of 2: the inputs, no targets
+        ...     [(part,) for part in x.tensor_split(2)], None, {0: 0, 1: 1}, 2
+        ... )
+        >>> len(on_rank_0), on_rank_0.inputs[1][0].shape, on_rank_0.targets
+        (2, torch.Size([2, 3]), None)
+    """
 
     inputs: list[tuple[Tensor, ...]] | None
     targets: list[Tensor] | None
@@ -87,7 +100,40 @@ class PipelineProgram(Protocol):
     gradients between the ranks, and leaves each stage parameter's gradient of the mean over
     microbatches of ``loss_fn`` in ``.grad`` (the checker zeroes them before each step and
     steps the optimizer after). It returns the per-microbatch losses on the rank holding the
-    last stage (for the report), or None."""
+    last stage (for the report), or None. ``check_pipeline`` pickles it to the ranks, so it is
+    defined at module level (or is an instance of a module-level class).
+
+    Args:
+        stages: this rank's stage modules (wrapped for data parallel if asked).
+        stage_indices: their stage indices, ascending.
+        microbatches: this rank's share of the batch (:class:`Microbatches`).
+        loss_fn: ``loss_fn(output, target)``, one microbatch's loss.
+        group: the pipeline's process group (the mesh's ``"pp"`` dim).
+
+    Returns:
+        The per-microbatch losses on the rank holding the last stage; None elsewhere.
+
+    Example:
+        >>> def program(stages, stage_indices, microbatches, loss_fn, group, /):
+        ...     # every stage on this rank (here one): no transfers
+        ...     losses = []
+        ...     for (x,), y in zip(microbatches.inputs, microbatches.targets):
+        ...         loss = loss_fn(stages[0](x), y)
+        ...         (loss / len(microbatches)).backward()  # .grad: the microbatches' mean
+        ...         losses.append(loss.detach())
+        ...     return losses
+        >>> g = torch.Generator().manual_seed(0)
+        >>> x, y = torch.randn(4, 3, generator=g), torch.randn(4, 1, generator=g)
+        >>> model = torch.nn.Linear(3, 1)
+        >>> micro = dg.testing.Microbatches(
+        ...     [(part,) for part in x.tensor_split(2)], list(y.tensor_split(2)), {0: 0}, 2
+        ... )
+        >>> len(program([model], [0], micro, torch.nn.functional.mse_loss, None))  # 2 losses
+        2
+        >>> whole = torch.nn.functional.mse_loss(model(x), y)  # equal microbatches: the mean
+        >>> torch.allclose(model.weight.grad, torch.autograd.grad(whole, model.weight)[0])
+        True
+    """
 
     def __call__(
         self,
@@ -353,6 +399,67 @@ def check_pipeline(
     otherwise. Raises :class:`CheckArgumentError` before any process starts for arguments it
     cannot use, :class:`~distgrad.errors.RankFailedError` when a rank fails, and
     :class:`~distgrad.errors.GradientMismatchError` with ``raise_on_mismatch`` on a mismatch.
+
+    Args:
+        make_model: a picklable zero-argument factory of the whole model.
+        split: ``split(model, n_stages)`` returns the stage modules, in order, holding the
+            model's own parameters.
+        batch: ``(*inputs, target)``, the global batch (dim 0 the rows).
+        loss_fn: ``loss_fn(output, target)``, one microbatch's loss.
+        schedule: a torch schedule's name or class (or a ``functools.partial`` of one binding
+            keywords), or a :class:`PipelineProgram` (default ``"1F1B"``).
+        world_size: the ranks started.
+        stages_per_rank: the stages each pipeline rank holds (default: 1 for single-stage
+            schedules and programs, 2 for multi-stage schedules).
+        n_microbatches: the microbatches each pipeline replica splits its rows into.
+        mesh_shape: the mesh's shape, ``(pp,)`` or ``(pp, dp)`` (default ``(world_size,)``).
+        mesh_dim_names: the mesh's dimension names, one of them ``"pp"`` (default ``("pp",)``,
+            ``("pp", "dp")`` for two dims).
+        data_parallel: over the mesh's data dim: ``"fsdp2"``, ``"ddp"``, a callable
+            ``(stage_module, dp_mesh) -> module``, or None (each replica keeps its own
+            gradients).
+        finalize_grads: ``finalize_grads(stage_modules, stage_indices, mesh)``, run on every
+            rank after the backward and before the optimizer step (None: nothing runs).
+        schedule_kwargs: more keywords for the schedule's constructor (``scale_grads``, or a
+            ``loss_fn`` of its own).
+        layout: a program's stage layout, ``"loop"`` or ``"v"`` (torch's schedules imply
+            theirs).
+        steps: the training steps compared.
+        optimizer: makes the optimizer from a rank's parameters (default SGD, lr 0.1).
+        rtol: the relative tolerance (default: by dtype, above).
+        atol: the absolute tolerance (default: by dtype, above).
+        timeout: seconds the ranks may take.
+        raise_on_mismatch: raise ``GradientMismatchError`` instead of returning a mismatch.
+        simulate: refused when True (above); pipelines run on processes.
+
+    Returns:
+        A :class:`PipelineReport`: every stage's copy of every parameter's gradient and update
+        against one process, each with its diagnosis.
+
+    Raises:
+        CheckArgumentError: arguments it cannot use (a schedule that cannot take the layout, a
+            batch that does not divide into the microbatches, a split that does not return the
+            model's own parameters in ``n_stages`` modules, ``simulate=True``); before any
+            process starts.
+        RankFailedError: a rank failed or timed out.
+        GradientMismatchError: with ``raise_on_mismatch=True``, a mismatch.
+
+    Example:
+        >>> import copy, functools, itertools
+        >>> model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 1)).double()
+        >>> g = torch.Generator().manual_seed(0)
+        >>> x = torch.randn(8, 3, dtype=torch.float64, generator=g)
+        >>> y = torch.randn(8, 1, dtype=torch.float64, generator=g)
+        >>> report = dg.testing.check_pipeline(
+        ...     functools.partial(copy.deepcopy, model),  # make_model: a fresh copy each call
+        ...     itertools.islice,  # split(model, 2): its two layers, a stage each
+        ...     (x, y),
+        ...     torch.nn.functional.mse_loss,
+        ...     schedule="GPipe",
+        ...     n_microbatches=2,
+        ... )
+        >>> report.ok, report.schedule, report.stage_ranks
+        (True, 'ScheduleGPipe', {0: 0, 1: 1})
     """
     if simulate:
         raise CheckArgumentError(
