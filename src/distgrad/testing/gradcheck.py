@@ -219,7 +219,7 @@ def check_against_single_process(
         ...     lambda x: x.pow(2).sum(), {"x": q}, simulate=True
         ... )
         >>> naive.ok, naive.diagnoses[0][:33]
-        (False, 'every gradient is scaled by 1/2: ')
+        (False, 'every gradient is scaled by 1/2 (')
     """
     if world_size < 1:
         raise CheckArgumentError(f"world_size must be at least 1, got {world_size}")
