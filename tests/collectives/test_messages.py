@@ -93,10 +93,11 @@ EXPECTED: dict[str, tuple[dict[str, int], dict[str, int]]] = {  # (forward, back
     "permute, recv_shape given": (PAIR, PAIR),
     # the keys' all_gather and the value's scalar all_reduce; the keys' reduce-scatter
     "info_nce, sizes given": ({**AG, "allreduce_": 1}, RS),
-    # one ring pass (W shifts of the texts on 2 ranks) and the value; the backward pass's
+    # one ring pass through the ring driver (W + 1 exchanges on 2 ranks: the texts a step
+    # ahead, their column logsumexps a step behind) and the value; the backward's W + 1
     "clip_loss ring, sizes given": (
-        {"send": 2, "recv_": 2, "allreduce_": 1},
-        {"send": 2, "recv_": 2},
+        {"send": 3, "recv_": 3, "allreduce_": 1},
+        {"send": 3, "recv_": 3},
     ),
     # 5 all_reduces of statistics, the same in backward
     "barlow_twins, sizes given": ({"allreduce_": 5}, {"allreduce_": 5}),

@@ -141,8 +141,11 @@ def test_every_collective_compiles_to_one_graph_and_matches_eager(backend: str) 
         assert found[:2] == [1, 0], found
 
 
+# Every loss compiled is 15 s even with aot_eager: the whole case is in the slow tier (which CI
+# runs), the compile area keeping the collectives' and async_op's cases by default.
+@pytest.mark.slow
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_every_loss_compiles_to_one_graph_and_matches_eager(backend: str) -> None:
     for found in run_on_ranks(_compiled_matches_eager, 2, args=("losses", backend), timeout=300):
         assert found[:2] == [1, 0], found

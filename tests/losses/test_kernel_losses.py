@@ -83,7 +83,12 @@ def _on_rank(rank: int, world: int, sizes: list[int]) -> None:
 
 @pytest.mark.parametrize(
     "sizes",
-    [[5], [4, 3], pytest.param([3, 1, 2], marks=pytest.mark.slow), [2, 3, 1, 2]],
+    [
+        [5],
+        [4, 3],
+        pytest.param([3, 1, 2], marks=pytest.mark.slow),
+        pytest.param([2, 3, 1, 2], marks=pytest.mark.slow),
+    ],
     ids=lambda s: f"{len(s)} ranks {s}",
 )
 def test_every_ring_loss_through_the_kernels_equals_one_float64_process(sizes: list[int]) -> None:

@@ -33,9 +33,11 @@ def test_a_distgrad_pipeline_program_agrees_with_one_process() -> None:
 @pytest.mark.parametrize(
     "options",
     [
-        pytest.param({"world_size": 4}, id="4 ranks"),
+        pytest.param({"world_size": 4}, id="4 ranks", marks=pytest.mark.slow),
         pytest.param({"stages_per_rank": 2}, id="2 stages per rank, looped"),
-        pytest.param({"stages_per_rank": 2, "layout": "v"}, id="2 stages per rank, V"),
+        pytest.param(
+            {"stages_per_rank": 2, "layout": "v"}, id="2 stages per rank, V", marks=pytest.mark.slow
+        ),
         pytest.param(
             {"world_size": 4, "mesh_shape": (2, 2), "data_parallel": "fsdp2"}, id="pp x dp, FSDP2"
         ),
