@@ -6,9 +6,10 @@ transfers the call covers (one microbatch's, or all not yet run) in **reverse pr
 * a **send** waits for its gradient from the receiver (every such receive is posted when the
   call starts, so gradients land while this rank computes) and becomes a start of the local
   engine; consecutive sends run as one phase, so a subgraph they share runs once;
-* a **receive** first runs the phase gathered so far (the roots, then the sends after it), whose
-  recv nodes keep the gradient that reaches them; its gradient is then complete (everything that
-  used the received tensor came after it) and is sent to its sender at once, left in flight.
+* a **receive** first runs the phase gathered so far (the roots, then the sends after it),
+  which accumulates into the received tensor's ``.grad`` (it is a leaf, as torch's
+  ``PipelineStage`` makes it); its gradient is then complete (everything that used the
+  received tensor came after it) and is sent to its sender at once, left in flight.
 
 Why the order cannot deadlock: a rank waits at a send only when every transfer after it is done.
 If rank A waited at send s to rank B forever, B would be waiting at a send made after its
@@ -19,7 +20,8 @@ never reached a root), so a backward always completes on every rank, also where 
 output never reaches the loss.
 
 ``weights=False`` runs the input-gradient half only (what a zero-bubble schedule's ``I`` step
-does): the engine runs from the starts to the recv nodes, no parameter's gradient is touched,
+does): the engine runs from the starts to the received tensors, no parameter's gradient is
+touched,
 and :func:`backward_weights` later runs the same starts again for the parameters' gradients.
 """
 

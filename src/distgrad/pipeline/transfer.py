@@ -3,9 +3,9 @@
 ``isend``/``irecv`` start a transfer and return a :class:`Transfer`; ``send``/``recv`` are the
 same, waited for. Inside a :func:`~distgrad.pipeline.context`, a transfer whose tensor requires
 grad is recorded: its gradient goes back the other way when the ranks run
-:func:`~distgrad.pipeline.backward`. A received tensor hangs from a recv node in this rank's
-autograd graph; its backward keeps the gradient that reaches it, which the distributed backward
-sends to the sender once every part of it has arrived.
+:func:`~distgrad.pipeline.backward`. A received tensor is a leaf of this rank's graph that
+requires grad: autograd accumulates into its ``.grad`` what reaches it, which the distributed
+backward sends to the sender once every part of it has arrived.
 """
 
 from __future__ import annotations
