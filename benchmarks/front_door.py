@@ -62,7 +62,7 @@ def main() -> None:
         "# The README's two commands",
         "",
         f"`benchmarks/front_door.py --runs {args.runs}`: torch {torch.__version__}, "
-        f"{os.cpu_count()} cores, the machine shared with other engineers' work (the load "
+        f"{os.cpu_count()} cores, the machine's load as it was (the load "
         "average before each command is in the table). Wall time of each command, a new "
         "process, from this environment, as the README gives it.",
         "",
